@@ -1,0 +1,47 @@
+# Tandem — every entry point. `make help` lists them.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/tandem/v1/*.proto)
+STUBS := tandem/v1/.generated
+
+.PHONY: help install proto lint test clean
+
+help:  ## list the targets
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and exact: any looser request resolves to a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(STAMP)  ## create .venv and install the pinned dependencies (quick when nothing changed)
+
+$(STUBS): $(PROTOS) $(STAMP)
+	mkdir -p tandem/v1
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	touch $@
+
+proto: $(STUBS)  ## generate Python stubs (and .pyi type stubs) from proto/ into tandem/v1/
+
+lint: $(STUBS)  ## ruff over the project
+	$(VENV)/bin/ruff check .
+
+test: $(STUBS)  ## unit and integration tests (installs what it needs first)
+	$(VENV)/bin/pytest
+
+clean:  ## remove generated stubs and caches (keeps .venv and models/)
+	rm -rf tandem .pytest_cache .ruff_cache
+
+.PHONY: models models-tiny
+models: $(STUBS)  ## build the demo draft/target pair into models/demo (cached; ~15 min the first time)
+	$(PY) -m demo_models --variant full --out models/demo
+
+models-tiny: $(STUBS)  ## build the seconds-to-build tiny pair into models/tiny (used by tests)
+	$(PY) -m demo_models --variant tiny --out models/tiny
