@@ -1,0 +1,165 @@
+"""Varlen attention over the paged KV cache, behind one small interface.
+
+A forward pass flattens many sequences into one token dimension. Sequence b contributes
+query_lens[b] new tokens at positions start_b .. start_b + query_lens[b] - 1 and, once they
+are written, attends over context_lens[b] = start_b + query_lens[b] cached keys:
+
+    flat tokens:  [ a0 a1 a2 | b0 | c0 c1 c2 c3 c4 ]      cu_seqlens_q = [0, 3, 4, 9]
+    seq a: prompt chunk at start 5   keys 0..7   query i sees keys <= 5 + i
+    seq b: decode at start 40        keys 0..40
+    seq c: verify 1+4 at start 17    keys 0..21  query i sees keys <= 17 + i
+
+Backends: FlashAttnBackend (flash_attn_varlen_func with block_table, CUDA) and TorchBackend
+(scaled_dot_product_attention over the gathered blocks, anywhere). Both read the same
+BatchLayout and the same cache layout, so tests of one hold the other to the same contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each sequence's tokens sit, built once per forward pass."""
+
+    start_positions: list[int]
+    query_lens: list[int]
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    block_size: int
+    device: torch.device
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [s + q for s, q in zip(self.start_positions, self.query_lens, strict=True)]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, layout: BatchLayout) -> object:
+        """Per-forward precomputation shared by every layer."""
+        ...
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
+        """q: [T, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim] -> [T, heads, head_dim]."""
+        ...
+
+
+@dataclass(frozen=True)
+class _TorchPlan:
+    query_index: torch.Tensor  # [B, Qmax] flat token index (padding points at token 0)
+    query_valid: torch.Tensor  # [B, Qmax] bool
+    key_slots: torch.Tensor  # [B, Kmax] flat slot of each key position (padding -> slot 0)
+    mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
+
+
+class TorchBackend:
+    """Gathers each sequence's keys from its blocks into a padded batch, one SDPA per layer."""
+
+    name = "torch-sdpa"
+
+    def __init__(self, scale: float, sliding_window: int | None = None) -> None:
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def plan(self, layout: BatchLayout) -> _TorchPlan:
+        dev = layout.device
+        starts = torch.tensor(layout.start_positions, device=dev)
+        qlens = torch.tensor(layout.query_lens, device=dev)
+        ctx = starts + qlens
+        q_max, k_max = max(layout.query_lens), max(layout.context_lens)
+        offsets = torch.cumsum(qlens, 0) - qlens
+        i = torch.arange(q_max, device=dev)
+        query_valid = i[None, :] < qlens[:, None]
+        query_index = torch.where(query_valid, offsets[:, None] + i[None, :], 0)
+        j = torch.arange(k_max, device=dev)
+        bs = layout.block_size
+        blocks = layout.block_tables.to(dev, torch.long)
+        block_of_j = torch.clamp(j // bs, max=blocks.shape[1] - 1)
+        key_slots = blocks[:, block_of_j] * bs + (j % bs)[None, :]
+        key_slots = torch.where(j[None, :] < ctx[:, None], key_slots, 0)
+        q_pos = starts[:, None] + i[None, :]  # [B, Qmax]
+        mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
+        if self.sliding_window is not None:
+            mask &= j[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        return _TorchPlan(query_index, query_valid, key_slots, mask[:, None])
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
+        assert isinstance(plan, _TorchPlan)
+        kv_heads, head_dim = k_cache.shape[-2:]
+        k = k_cache.view(-1, kv_heads, head_dim)[plan.key_slots]  # [B, Kmax, kvh, D]
+        v = v_cache.view(-1, kv_heads, head_dim)[plan.key_slots]
+        qb = q[plan.query_index]  # [B, Qmax, H, D]
+        out = F.scaled_dot_product_attention(
+            qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=plan.mask, scale=self.scale, enable_gqa=True,
+        )
+        return out.transpose(1, 2)[plan.query_valid]  # row-major (b, i) == flat token order
+
+
+@dataclass(frozen=True)
+class _FlashPlan:
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: torch.Tensor
+
+
+class FlashAttnBackend:
+    """flash_attn_varlen_func reading K/V straight from the paged cache through block_table.
+    flash-attn 2 requires the page (block) size to be a multiple of 256."""
+
+    name = "flash-attn"
+
+    def __init__(self, scale: float, sliding_window: int | None = None) -> None:
+        from flash_attn import flash_attn_varlen_func  # CUDA only; import errors surface here
+
+        self._fn = flash_attn_varlen_func
+        self.scale = scale
+        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+
+    def plan(self, layout: BatchLayout) -> _FlashPlan:
+        if layout.block_size % 256:
+            raise ValueError(f"flash-attn paged KV needs block_size % 256 == 0, got {layout.block_size}")
+        dev = layout.device
+        qlens = torch.tensor([0, *layout.query_lens], device=dev, dtype=torch.int32)
+        klens = torch.tensor([0, *layout.context_lens], device=dev, dtype=torch.int32)
+        return _FlashPlan(
+            cu_seqlens_q=torch.cumsum(qlens, 0, dtype=torch.int32),
+            cu_seqlens_k=torch.cumsum(klens, 0, dtype=torch.int32),
+            max_seqlen_q=max(layout.query_lens),
+            max_seqlen_k=max(layout.context_lens),
+            block_table=layout.block_tables.to(dev, torch.int32),
+        )
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
+        assert isinstance(plan, _FlashPlan)
+        # causal with q shorter than k aligns to the bottom-right: query i sees keys <= ctx - q_len + i.
+        return self._fn(
+            q, k_cache, v_cache, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
+            softmax_scale=self.scale, causal=True, window_size=self.window, block_table=plan.block_table,
+        )
+
+
+def flash_attn_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(choice: str, device: torch.device, scale: float,
+                   sliding_window: int | None) -> AttentionBackend:
+    """auto: flash-attn on CUDA when it imports, else PyTorch SDPA."""
+    if choice == "flash" or (choice == "auto" and device.type == "cuda" and flash_attn_available()):
+        return FlashAttnBackend(scale, sliding_window)
+    return TorchBackend(scale, sliding_window)

@@ -1,0 +1,141 @@
+"""Paged KV cache: fixed-size blocks, a block table per sequence, slot mapping.
+
+A sequence of length L holds ceil(L / block_size) blocks; token at position p lives in slot
+    block_table[p // block_size] * block_size + p % block_size
+of the flattened cache. Blocks are only accounted here; the tensors live in PagedKVCache.
+
+    position:     0 1 2 3 | 4 5 6 7 | 8 9
+    block_table: [   7    ,    2    ,  5 ]      (block_size 4, length 10)
+    slot of 9:    5 * 4 + 1 = 21
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+
+class KVCacheExhausted(RuntimeError):
+    """Not enough free blocks for the requested growth. Raised before anything changes."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"KV cache exhausted: need {needed} more blocks, {free} free")
+        self.needed = needed
+        self.free = free
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Low ids first: a LIFO free list keeps recently used blocks hot.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._tables)
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def length(self, seq_id: int) -> int:
+        """Tokens cached for seq_id; 0 for an unknown sequence."""
+        return self._lengths.get(seq_id, 0)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self._tables[seq_id]
+
+    def blocks_needed(self, resize: Mapping[int, tuple[int, int]]) -> int:
+        """Net blocks to allocate for {seq_id: (trim_to, new_length)}: trims free first."""
+        net = 0
+        for seq_id, (trim_to, new_length) in resize.items():
+            held = len(self._tables.get(seq_id, ()))
+            kept = min(held, blocks_for(trim_to, self.block_size))
+            net += blocks_for(new_length, self.block_size) - held
+            assert blocks_for(new_length, self.block_size) >= kept
+        return net
+
+    def check_capacity(self, resize: Mapping[int, tuple[int, int]]) -> None:
+        needed = self.blocks_needed(resize)
+        if needed > self.num_free:
+            raise KVCacheExhausted(needed, self.num_free)
+
+    def trim(self, seq_id: int, length: int) -> None:
+        """Drop everything cached at positions >= length (rollback after a rejection)."""
+        table = self._tables.setdefault(seq_id, [])
+        self._lengths.setdefault(seq_id, 0)
+        assert length <= self._lengths[seq_id], "trim can only shorten"
+        keep = blocks_for(length, self.block_size)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self._lengths[seq_id] = length
+
+    def append(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Grow seq_id by num_tokens; returns their slots. Raises KVCacheExhausted untouched."""
+        table = self._tables.setdefault(seq_id, [])
+        start = self._lengths.setdefault(seq_id, 0)
+        end = start + num_tokens
+        missing = blocks_for(end, self.block_size) - len(table)
+        if missing > len(self._free):
+            raise KVCacheExhausted(missing, len(self._free))
+        for _ in range(missing):
+            table.append(self._free.pop())
+        self._lengths[seq_id] = end
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def free(self, seq_id: int) -> None:
+        """Release every block of seq_id. Unknown ids are ignored (idempotent)."""
+        table = self._tables.pop(seq_id, None)
+        self._lengths.pop(seq_id, None)
+        if table:
+            self._free.extend(reversed(table))
+
+    def check_invariants(self) -> None:
+        held = [b for t in self._tables.values() for b in t]
+        assert len(held) == len(set(held)), "a block is owned twice"
+        assert not set(held) & set(self._free), "a held block is also free"
+        assert len(held) + len(self._free) == self.num_blocks, "a block leaked"
+        for seq_id, table in self._tables.items():
+            assert len(table) == blocks_for(self._lengths[seq_id], self.block_size)
+
+
+class PagedKVCache:
+    """The K and V tensors, laid out as flash-attn's paged kernels expect:
+    [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store the new tokens' keys/values [T, kv_heads, head_dim] at their slots."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize

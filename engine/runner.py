@@ -1,0 +1,165 @@
+"""ModelRunner: one forward pass over a mixed, position-addressed batch.
+
+Each SeqInput says "the KV cache of seq_id must end at start_pos; these tokens follow".
+The runner trims anything cached past start_pos, appends the tokens and returns logits for
+the last `num_logits` of them. Everything is validated before the first byte changes, so a
+rejected batch leaves every sequence's cache as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import BatchLayout, select_backend
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import BlockManager, PagedKVCache
+from engine.model import CausalLM, ForwardContext
+from engine.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    seq_id: int
+    start_pos: int
+    tokens: Sequence[int]
+    num_logits: int = 1  # logits for the last num_logits tokens (0: none, a non-final prompt chunk)
+
+
+class CacheMiss(LookupError):
+    """Some sequences hold fewer than start_pos tokens: resend their history from position 0."""
+
+    def __init__(self, seq_ids: list[int]) -> None:
+        super().__init__(f"cache miss for sequences {seq_ids}: resend from start_pos 0")
+        self.seq_ids = seq_ids
+
+
+class InvalidInput(ValueError):
+    """A request field is invalid; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: EngineConfig, model_dir: Path | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.model_config: ModelConfig = model.config
+        self.model_dir = model_dir
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.kv_cache = PagedKVCache(mc.num_layers, config.num_blocks, config.block_size,
+                                     mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, mc.head_dim**-0.5, mc.sliding_window)
+        self.forward_calls = 0  # counted so tests can prove batching (k forwards, not n * k)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> ModelRunner:
+        config = config or EngineConfig()
+        model_dir = Path(model_dir)
+        mc = ModelConfig.from_dir(model_dir)
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings and mc.rope.rope_type == "default":
+            raise ValueError(f"max_model_len {max_len} exceeds the checkpoint's {mc.max_position_embeddings}")
+        t0 = time.perf_counter()
+        device, dtype = config.resolved_device(), config.resolved_dtype()
+        with torch.device("meta"):
+            model = CausalLM(mc, max_len)
+        model = model.to_empty(device=device).to(dtype)
+        model.tie_weights()
+        load_weights(model, model_dir)
+        model.model.rotary.build(device)  # float32 tables: not weights, so not in the checkpoint
+        model.eval()
+        log.info("loaded %s (%s, %.1fM params) on %s/%s in %.1fs", model_dir.name, mc.architecture,
+                 sum(p.numel() for p in model.parameters()) / 1e6, device, dtype, time.perf_counter() - t0)
+        return cls(model, config, model_dir)
+
+    # ---- state -------------------------------------------------------------------------
+    def cached_len(self, seq_id: int) -> int:
+        return self.blocks.length(seq_id)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self.blocks.free(seq_id)
+
+    # ---- validation (no side effects) ----------------------------------------------------
+    def validate(self, inputs: Sequence[SeqInput]) -> None:
+        if not inputs:
+            raise InvalidInput("entries", "empty batch")
+        seen: set[int] = set()
+        missing: list[int] = []
+        total = 0
+        vocab = self.model_config.vocab_size
+        for n, x in enumerate(inputs):
+            where = f"entries[{n}]"
+            if x.seq_id in seen:
+                raise InvalidInput(f"{where}.seq_id", f"sequence {x.seq_id} appears twice in one batch")
+            seen.add(x.seq_id)
+            if not x.tokens:
+                raise InvalidInput(f"{where}.tokens", "must not be empty")
+            if not 0 <= x.num_logits <= len(x.tokens):
+                raise InvalidInput(f"{where}.num_logits", f"{x.num_logits} not in [0, {len(x.tokens)}]")
+            if x.start_pos < 0 or x.start_pos + len(x.tokens) > self.max_model_len:
+                raise InvalidInput(f"{where}.start_pos",
+                                   f"{x.start_pos} + {len(x.tokens)} tokens exceeds max_model_len {self.max_model_len}")
+            if min(x.tokens) < 0 or max(x.tokens) >= vocab:
+                raise InvalidInput(f"{where}.tokens", f"token id outside [0, {vocab})")
+            if x.start_pos > self.blocks.length(x.seq_id):
+                missing.append(x.seq_id)
+            total += len(x.tokens)
+        if total > self.config.max_batch_tokens:
+            raise InvalidInput("entries", f"{total} tokens exceed max_batch_tokens {self.config.max_batch_tokens}")
+        if missing:
+            raise CacheMiss(missing)
+        self.blocks.check_capacity({x.seq_id: (x.start_pos, x.start_pos + len(x.tokens)) for x in inputs})
+
+    # ---- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, inputs: Sequence[SeqInput]) -> list[torch.Tensor]:
+        """Logits [num_logits, vocab] (float32) per input, in order."""
+        self.validate(inputs)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        for x in inputs:
+            self.blocks.trim(x.seq_id, x.start_pos)
+            offset = len(ids)
+            ids.extend(x.tokens)
+            positions.extend(range(x.start_pos, x.start_pos + len(x.tokens)))
+            slots.extend(self.blocks.append(x.seq_id, len(x.tokens)))
+            logits_indices.extend(range(offset + len(x.tokens) - x.num_logits, offset + len(x.tokens)))
+        tables = [self.blocks.block_table(x.seq_id) for x in inputs]
+        width = max(len(t) for t in tables)
+        dev = self.device
+        layout = BatchLayout(
+            start_positions=[x.start_pos for x in inputs],
+            query_lens=[len(x.tokens) for x in inputs],
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            block_size=self.config.block_size,
+            device=dev,
+        )
+        ctx = ForwardContext(
+            positions=torch.tensor(positions, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev),
+            layout=layout,
+            backend=self.backend,
+            plan=self.backend.plan(layout),
+            kv_cache=self.kv_cache,
+            logits_indices=torch.tensor(logits_indices, device=dev, dtype=torch.long),
+        )
+        self.forward_calls += 1
+        logits = self.model(torch.tensor(ids, device=dev), ctx)
+        return list(logits.split([x.num_logits for x in inputs]))

@@ -1,0 +1,85 @@
+"""Load a Hugging Face checkpoint directory (*.safetensors, sharded or not) into CausalLM."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model import CausalLM
+
+# HF name fragment -> (our fused parameter, shard index within it)
+_FUSED = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", 1),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", 2),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+}
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _shard_sizes(model: CausalLM, fused_name: str) -> list[int]:
+    cfg = model.config
+    if "qkv_proj" in fused_name:
+        return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def load_weights(model: CausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; fail on gaps or extras."""
+    params = dict(model.named_parameters())
+    loaded: dict[str, int] = {}
+    for name, tensor in iter_tensors(model_dir):
+        if "rotary_emb.inv_freq" in name:
+            continue
+        target, shard = name, None
+        for fragment, (fused, index) in _FUSED.items():
+            if fragment in name:
+                target, shard = name.replace(fragment, fused), index
+                break
+        if target not in params:
+            if target == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {model.config.architecture} model")
+        param = params[target]
+        dest = param.data
+        if shard is not None:
+            sizes = _shard_sizes(model, target)
+            dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+        dest.copy_(tensor.to(dest.dtype))
+        loaded[target] = loaded.get(target, 0) + 1
+    expected_parts = {n: len(_shard_sizes(model, n)) if ("qkv_proj" in n or "gate_up" in n) else 1 for n in params}
+    if model.config.tie_word_embeddings:
+        expected_parts.pop("lm_head.weight", None)
+    missing = [n for n, parts in expected_parts.items() if loaded.get(n, 0) < parts]
+    if missing == ["lm_head.weight"]:  # some checkpoints omit a tied head without saying so
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = []
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}")

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random-init checkpoints written with transformers' save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=97, max_position_embeddings=256)
+
+
+def _llama3() -> LlamaConfig:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+    return LlamaConfig(**SMALL, rope_parameters=scaling)
+
+
+ARCHS = {
+    "llama3": _llama3,
+    "llama-tied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=True),
+    "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=8),
+    "qwen2": lambda: Qwen2Config(**SMALL),
+}
+
+
+def write_checkpoint(config, directory: Path, seed: int = 0, shard: str | None = None) -> Path:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random-init norms are all ones; perturb them so a norm bug shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+@pytest.fixture(scope="session", params=sorted(ARCHS))
+def hf_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
+    """(name, dir) for each architecture; the qwen2 one is saved sharded."""
+    name = request.param
+    directory = tmp_path_factory.mktemp(name)
+    write_checkpoint(ARCHS[name](), directory, shard="100KB" if name == "qwen2" else None)
+    return name, directory
+
+
+def hf_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """Reference: transformers' own implementation, full sequence, fp32. [len, vocab]."""
+    model = _hf_model(str(model_dir))
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+_HF_CACHE: dict[str, torch.nn.Module] = {}
+
+
+def _hf_model(model_dir: str) -> torch.nn.Module:
+    if model_dir not in _HF_CACHE:
+        _HF_CACHE[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _HF_CACHE[model_dir]
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference greedy continuation: transformers generate, no sampling."""
+    model = _hf_model(str(model_dir))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,110 @@
+"""The engine's forward equals transformers' implementation of the same checkpoint (fp32, 1e-4),
+for whole prompts, chunked prompts, mixed batches and rollback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import CacheMiss, EngineConfig, InvalidInput, KVCacheExhausted, ModelRunner, SeqInput
+from engine.config import UnsupportedModelError
+from tests.conftest import hf_logits
+
+ATOL = 1e-4
+
+
+def tokens(seed: int, n: int, vocab: int = 97) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def runner_for(model_dir, num_blocks: int = 64, block_size: int = 4) -> ModelRunner:
+    return ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu"))
+
+
+def test_whole_prompt(hf_checkpoint):
+    _, model_dir = hf_checkpoint
+    prompt = tokens(1, 37)
+    [logits] = runner_for(model_dir).forward([SeqInput(1, 0, prompt, num_logits=len(prompt))])
+    torch.testing.assert_close(logits, hf_logits(model_dir, prompt), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [[1, 36], [5, 7, 11, 14], [16, 16, 5], [3] * 12 + [1]])
+def test_prompt_in_chunks_across_calls(hf_checkpoint, chunks):
+    _, model_dir = hf_checkpoint
+    prompt = tokens(2, sum(chunks))
+    runner = runner_for(model_dir)
+    got, pos = [], 0
+    for size in chunks:
+        [logits] = runner.forward([SeqInput(7, pos, prompt[pos:pos + size], num_logits=size)])
+        got.append(logits)
+        pos += size
+    torch.testing.assert_close(torch.cat(got), hf_logits(model_dir, prompt), atol=ATOL, rtol=0)
+    assert runner.cached_len(7) == len(prompt)
+
+
+def test_mixed_batch_chunk_verify_and_decodes(hf_checkpoint):
+    """One forward: a prompt chunk starting mid-prompt, a 5-token verification query on a cached
+    sequence, and single-token decodes of two others."""
+    _, model_dir = hf_checkpoint
+    runner = runner_for(model_dir)
+    seqs = {s: tokens(10 + s, n) for s, n in [(1, 30), (2, 25), (3, 19), (4, 9)]}
+    # warm-up state: seq1 has 12 of 30 prompt tokens cached; seq2 has 20 cached; 3 and 4 all but the last
+    runner.forward([SeqInput(1, 0, seqs[1][:12], 0), SeqInput(2, 0, seqs[2][:20], 0),
+                    SeqInput(3, 0, seqs[3][:-1], 0), SeqInput(4, 0, seqs[4][:-1], 0)])
+    batch = [
+        SeqInput(1, 12, seqs[1][12:], num_logits=18),
+        SeqInput(2, 20, seqs[2][20:], num_logits=5),
+        SeqInput(3, 18, seqs[3][-1:], num_logits=1),
+        SeqInput(4, 8, seqs[4][-1:], num_logits=1),
+    ]
+    out = runner.forward(batch)
+    for x, logits in zip(batch, out, strict=True):
+        ref = hf_logits(model_dir, seqs[x.seq_id])[-x.num_logits:]
+        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0, msg=f"seq {x.seq_id}")
+
+
+def test_trim_and_append_different_tokens(hf_checkpoint):
+    """Rollback after a rejection: cache 20 tokens, rewind to 13, append other tokens."""
+    _, model_dir = hf_checkpoint
+    runner = runner_for(model_dir)
+    first = tokens(3, 20)
+    runner.forward([SeqInput(5, 0, first, 0)])
+    replacement = tokens(4, 9)
+    [logits] = runner.forward([SeqInput(5, 13, replacement, num_logits=9)])
+    torch.testing.assert_close(logits, hf_logits(model_dir, first[:13] + replacement)[13:], atol=ATOL, rtol=0)
+    assert runner.cached_len(5) == 22
+
+
+def test_logits_only_where_asked(hf_checkpoint):
+    _, model_dir = hf_checkpoint
+    out = runner_for(model_dir).forward([SeqInput(1, 0, tokens(5, 10), 0), SeqInput(2, 0, tokens(6, 10), 2)])
+    assert [o.shape[0] for o in out] == [0, 2]
+
+
+def test_errors_leave_state_untouched(hf_checkpoint):
+    _, model_dir = hf_checkpoint
+    runner = runner_for(model_dir, num_blocks=6, block_size=4)  # 24 token slots
+    runner.forward([SeqInput(1, 0, tokens(7, 10), 0)])
+    with pytest.raises(CacheMiss) as miss:
+        runner.forward([SeqInput(1, 10, [3], 1), SeqInput(2, 4, [1], 1)])
+    assert miss.value.seq_ids == [2]
+    with pytest.raises(KVCacheExhausted):
+        runner.forward([SeqInput(1, 10, [3], 1), SeqInput(3, 0, tokens(8, 13), 1)])
+    with pytest.raises(InvalidInput, match="token id"):
+        runner.forward([SeqInput(1, 10, [500], 1)])
+    with pytest.raises(InvalidInput, match="max_model_len"):
+        runner.forward([SeqInput(1, 10, tokens(9, 250), 1)])
+    with pytest.raises(InvalidInput, match="empty batch"):
+        runner.forward([])
+    assert runner.cached_len(1) == 10 and not runner.blocks.has(3)
+    runner.blocks.check_invariants()
+    ok = runner.forward([SeqInput(1, 10, [3], 1)])  # still serving after bad requests
+    assert ok[0].shape == (1, 97)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        ModelRunner.load(tmp_path)
