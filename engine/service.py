@@ -1,0 +1,191 @@
+"""gRPC scaffolding both model services run: CLI flags, the model worker thread, error mapping,
+health, reflection and graceful shutdown. The services add only their own RPC logic."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.kv_cache import KVCacheExhausted, PagedKVCache
+from engine.runner import CacheMiss, InvalidInput, ModelRunner
+from engine.sampling import SamplingSpec, validate_sampling
+from engine.tokenizer import eos_token_ids, tokenizer_fingerprint
+from tandem.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CACHE_MISS_METADATA = "tandem-cache-miss"  # trailing metadata: comma-separated seq_ids
+PROTOCOL = "tandem.v1"
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
+    parser.add_argument("--model-id", default="", help="name reported by GetInfo (default: the directory name)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
+    parser.add_argument("--port", type=int, default=default_port, help="gRPC port")
+    kv = parser.add_mutually_exclusive_group()
+    kv.add_argument("--num-blocks", type=int, default=0, help="KV cache size in blocks")
+    kv.add_argument("--kv-cache-gib", type=float, default=0.0,
+                    help="KV cache size as a memory budget in GiB (default: 0.25 GiB when neither is given)")
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="tokens per KV block (default 16; 256 with flash-attn)")
+    parser.add_argument("--max-batch-tokens", type=int, default=4096, help="most tokens one forward pass accepts")
+    parser.add_argument("--max-model-len", type=int, default=0, help="longest sequence (default: the checkpoint's)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="auto = bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash"],
+                        help="auto = flash-attn on CUDA when it imports, else PyTorch SDPA")
+    parser.add_argument("--max-draft-tokens", type=int, default=8, help="largest k per sequence per call")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--grace-seconds", type=float, default=10.0,
+                        help="on SIGTERM, how long the step in flight may take to finish")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    probe = EngineConfig(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
+    device = probe.resolved_device()
+    block_size = args.block_size or (256 if args.attention_backend != "torch" and device.type == "cuda" else 16)
+    num_blocks = args.num_blocks
+    if not num_blocks:
+        mc = ModelConfig.from_dir(args.model)
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim,
+                                                 probe.resolved_dtype())
+        num_blocks = max(1, int((args.kv_cache_gib or 0.25) * 2**30 // per_block))
+    return EngineConfig(num_blocks=num_blocks, block_size=block_size, dtype=args.dtype, device=args.device,
+                        max_model_len=args.max_model_len, max_batch_tokens=args.max_batch_tokens,
+                        attention_backend=args.attention_backend)
+
+
+def load_runner(args: argparse.Namespace) -> ModelRunner:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runner = ModelRunner.load(args.model, engine_config_from_args(args))
+    cfg = runner.config
+    log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; backend %s; dtype %s; device %s",
+             cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size, runner.max_model_len,
+             runner.backend.name, runner.dtype, runner.device)
+    return runner
+
+
+class ModelWorker:
+    """Runs model work on one dedicated thread, so forwards never overlap and the event loop
+    stays free for health checks and new calls while a step computes."""
+
+    def __init__(self, runner: ModelRunner, model_id: str, max_draft_tokens: int) -> None:
+        self.runner = runner
+        self.model_id = model_id or Path(str(runner.model_dir)).name
+        self.max_draft_tokens = max_draft_tokens
+        self.fingerprint = tokenizer_fingerprint(runner.model_dir) if runner.model_dir else ""
+        self.eos_ids = eos_token_ids(runner.model_dir) if runner.model_dir else []
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.in_flight = 0
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        self.in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
+        finally:
+            self.in_flight -= 1
+
+    def info(self) -> common_pb2.ModelInfo:
+        r = self.runner
+        return common_pb2.ModelInfo(
+            protocol=PROTOCOL, model_id=self.model_id, vocab_size=r.model_config.vocab_size,
+            tokenizer_fingerprint=self.fingerprint, max_model_len=r.max_model_len,
+            num_blocks=r.config.num_blocks, block_size=r.config.block_size, free_blocks=r.blocks.num_free,
+            dtype=str(r.dtype).removeprefix("torch."), device=str(r.device), attention_backend=r.backend.name,
+            max_draft_tokens=self.max_draft_tokens, max_batch_tokens=r.config.max_batch_tokens,
+            eos_token_ids=self.eos_ids, num_sequences=r.blocks.num_sequences,
+        )
+
+    def release(self, seq_ids: list[int]) -> int:
+        self.runner.release(seq_ids)
+        return self.runner.blocks.num_free
+
+
+def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Map engine exceptions to gRPC status codes; nothing but the failing call is affected."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except InvalidInput as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CacheMiss as e:
+            context.set_trailing_metadata(((CACHE_MISS_METADATA, ",".join(map(str, e.seq_ids))),))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except KVCacheExhausted as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        raise AssertionError("unreachable")  # abort() raises
+
+    return wrapper
+
+
+def check_deadline(context: grpc.aio.ServicerContext) -> None:
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise InvalidInput("deadline", "already expired on arrival")
+
+
+async def serve(
+    register: Callable[[grpc.aio.Server], None],
+    service_full_name: str,
+    host: str,
+    port: int,
+    grace_seconds: float,
+    stop: asyncio.Event | None = None,
+    on_started: Callable[[int], None] | None = None,
+) -> None:
+    """Run a gRPC server with health and reflection until SIGTERM/SIGINT (or `stop` is set,
+    for in-process use), then refuse new calls, let the one in flight finish and stop."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", service_full_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s:%d", service_full_name, host, bound)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    if on_started is not None:
+        on_started(bound)
+    await stop.wait()
+    t0 = time.perf_counter()
+    log.info("shutting down: not serving new calls, letting the one in flight finish (up to %.0fs)", grace_seconds)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_seconds)
+    log.info("stopped in %.2fs", time.perf_counter() - t0)
+
+
+def sampling_spec(params: common_pb2.SamplingParams, field: str) -> SamplingSpec:
+    """Proto -> SamplingSpec; InvalidInput naming the field when a value is out of range."""
+    problems = validate_sampling(params.temperature, params.top_p or 1.0, params.top_k, field)
+    if problems:
+        raise InvalidInput(field, "; ".join(problems))
+    return SamplingSpec(temperature=params.temperature, top_p=params.top_p or 1.0, top_k=params.top_k,
+                        seed=params.seed if params.has_seed else None)
