@@ -90,6 +90,10 @@ class ModelRunner:
     def cached_len(self, seq_id: int) -> int:
         return self.blocks.length(seq_id)
 
+    def trim(self, seq_id: int, length: int) -> None:
+        """Forget cached tokens at positions >= length (drafts the target rejected)."""
+        self.blocks.trim(seq_id, length)
+
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self.blocks.free(seq_id)
