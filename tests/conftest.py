@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,46 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+def write_tokenizer(directory: Path, vocab_size: int = 320) -> None:
+    """A small byte-level BPE trained on stdlib text, saved as transformers expects."""
+    import json
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = [(stdlib / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "model_max_length": 512}))
+
+
+@pytest.fixture(scope="session")
+def model_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, draft_dir): tiny random-init Llama pair sharing one trained tokenizer.
+    EOS is set to an id greedy decoding of these weights never reaches, so lengths are predictable."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("pair")
+    write_tokenizer(root / "tok")
+    vocab = len(json.loads((root / "tok" / "tokenizer.json").read_text())["model"]["vocab"])
+    dirs = []
+    for name, size, layers, seed in (("target", 64, 2, 0), ("draft", 32, 1, 1)):
+        cfg = LlamaConfig(hidden_size=size, intermediate_size=2 * size, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                          max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
+        d = write_checkpoint(cfg, root / name, seed=seed)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(root / "tok" / f, d / f)
+        dirs.append(d)
+    return dirs[0], dirs[1]

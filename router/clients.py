@@ -1,0 +1,105 @@
+"""Thin clients of the model services: deadlines on every call, gRPC errors turned into the
+three things the step loop acts on (cache miss, service down, request rejected)."""
+
+from __future__ import annotations
+
+import grpc
+
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+CACHE_MISS_METADATA = "tandem-cache-miss"
+
+
+class CacheMissError(Exception):
+    """The service holds less than start_pos for these sequences: recompute them."""
+
+    def __init__(self, seq_ids: list[int]) -> None:
+        super().__init__(f"cache miss for {seq_ids}")
+        self.seq_ids = seq_ids
+
+
+class ServiceDown(Exception):
+    """Unreachable, timed out or shutting down: the call may be retried once the service is back."""
+
+
+class Rejected(Exception):
+    """The service refused the call (INVALID_ARGUMENT or RESOURCE_EXHAUSTED): a router-side bug or
+    a bad request that slipped through; `code` says which."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+         grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED}
+
+
+def _translate(err: grpc.aio.AioRpcError) -> Exception:
+    code = err.code()
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        for key, value in err.trailing_metadata() or ():
+            if key == CACHE_MISS_METADATA:
+                return CacheMissError([int(s) for s in value.split(",") if s])
+    if code in _DOWN:
+        return ServiceDown(f"{code.name}: {err.details()}")
+    return Rejected(code, err.details() or "")
+
+
+class _Client:
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub = None
+
+    @property
+    def stub(self):  # noqa: ANN201
+        """Created on first use, inside the event loop that will drive it (grpc.aio binds to it)."""
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.address, options=[("grpc.max_receive_message_length", 64 * 2**20),
+                                       ("grpc.initial_reconnect_backoff_ms", 200),
+                                       ("grpc.max_reconnect_backoff_ms", 2000)])
+            self._stub = self._stub_class(self._channel)
+        return self._stub
+
+    async def _call(self, method, request, timeout_s: float | None = None):  # noqa: ANN001, ANN202
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _translate(err) from None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class TargetClient(_Client):
+    _stub_class = target_pb2_grpc.TargetServiceStub
+
+    async def info(self, timeout_s: float = 5.0) -> common_pb2.ModelInfo:
+        return await self._call(self.stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
+
+    async def step(self, entries: list[target_pb2.StepEntry]) -> target_pb2.StepResponse:
+        return await self._call(self.stub.Step, target_pb2.StepRequest(entries=entries))
+
+    async def release(self, seq_ids: list[int]) -> None:
+        await self._call(self.stub.Release, common_pb2.ReleaseRequest(seq_ids=seq_ids), 5.0)
+
+
+class DraftClient(_Client):
+    _stub_class = draft_pb2_grpc.DraftServiceStub
+
+    async def info(self, timeout_s: float = 5.0) -> common_pb2.ModelInfo:
+        return await self._call(self.stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
+
+    async def sync(self, chunks: list[draft_pb2.Chunk]) -> draft_pb2.SyncResponse:
+        return await self._call(self.stub.Sync, draft_pb2.SyncRequest(chunks=chunks))
+
+    async def propose(self, entries: list[draft_pb2.ProposeEntry]) -> draft_pb2.ProposeResponse:
+        return await self._call(self.stub.Propose, draft_pb2.ProposeRequest(entries=entries))
+
+    async def release(self, seq_ids: list[int]) -> None:
+        await self._call(self.stub.Release, common_pb2.ReleaseRequest(seq_ids=seq_ids), 5.0)

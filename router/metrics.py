@@ -1,0 +1,51 @@
+"""Prometheus metrics. Speculation metrics are named like vLLM's (spec_decode_num_drafts, ...)
+so existing dashboards carry over with the prefix changed from vllm: to tandem:."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, k_max: int) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between consecutive output tokens "
+                             "(a step emitting n tokens counts n intervals of step_time / n)", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Request latency", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("tandem:requests", "Finished requests", ["finish_reason"], registry=r)
+        self.waiting = Gauge("tandem:num_requests_waiting", "Requests waiting", registry=r)
+        self.running = Gauge("tandem:num_requests_running", "Sequences running", registry=r)
+        self.preemptions = Counter("tandem:num_preemptions", "Sequences preempted for recompute", registry=r)
+        self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks reserved by the router",
+                              ["service"], registry=r)
+        self.step_time = Histogram("tandem:step_time_seconds", "Step time by part: target forward, draft "
+                                   "(calls on the critical path), router (everything else)", ["part"], registry=r,
+                                   buckets=_LATENCY_BUCKETS)
+        self.step_tokens = Histogram("tandem:step_tokens", "Tokens scored per target step", registry=r,
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+        self.num_drafts = Counter("tandem:spec_decode_num_drafts", "Verifications with k > 0", registry=r)
+        self.num_draft_tokens = Counter("tandem:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.num_accepted = Counter("tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position", ["position"], registry=r)
+        self.emitted_per_step = Histogram("tandem:spec_decode_emitted_tokens_per_step",
+                                          "Tokens a decoding sequence emits per step", registry=r,
+                                          buckets=tuple(range(1, k_max + 3)))
+        self.pipeline_lookups = Counter("tandem:pipeline_lookups", "Verifications whose next proposal was "
+                                        "drafted during the step", registry=r)
+        self.pipeline_hits = Counter("tandem:pipeline_hits", "...of which the optimistic proposal held", registry=r)
+        self.draft_fallbacks = Counter("tandem:draft_fallbacks", "Steps run at k = 0 because the draft was "
+                                       "down, failing or late", ["reason"], registry=r)
+        self.draft_up = Gauge("tandem:draft_available", "1 when the draft service is in use", registry=r)
+        self.target_up = Gauge("tandem:target_available", "1 when the target service answers", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,163 @@
+"""Continuous batching with chunked prefill under a token budget, and KV accounting for both caches.
+
+Each step: running decodes first (each costs 1 + k_i tokens), then prompt chunks with what is
+left, oldest first. A sequence reserves KV in both services for its whole history plus the
+speculation lookahead; when a step's growth does not fit, the newest running sequence is
+preempted (its caches dropped, its history kept for recompute). Admission is FCFS and needs
+room in BOTH caches. The scheduler is pure bookkeeping: no I/O, testable without services.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.config import RouterConfig
+from router.core import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    num_blocks: int
+    block_size: int
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    seq: Sequence
+    start: int  # target_cached before the chunk
+    end: int  # exclusive; == len(seq.tokens) on the last chunk, which emits
+
+    @property
+    def emit(self) -> bool:
+        return self.end == len(self.seq.tokens)
+
+
+@dataclass
+class StepPlan:
+    decodes: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, k)
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(1 + k for _, k in self.decodes) + sum(c.end - c.start for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: RouterConfig, target: CacheGeometry, draft: CacheGeometry | None) -> None:
+        self.config = config
+        self.target = target
+        self.draft = draft
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+
+    # ---- KV accounting -------------------------------------------------------------------
+    def _reserve(self, seq: Sequence, extra: int = 0) -> tuple[int, int]:
+        """Blocks seq may occupy (target, draft) during its next step: history + lookahead."""
+        lookahead = self.config.k_max + 1
+        n = len(seq.tokens) + extra
+        t = self.target.blocks(n + lookahead)
+        d = self.draft.blocks(n + 2 * lookahead) if self.draft else 0
+        return t, d
+
+    def usage(self) -> tuple[int, int]:
+        t = d = 0
+        for seq in self.running:
+            rt, rd = self._reserve(seq)
+            t, d = t + rt, d + rd
+        return t, d
+
+    def _fits(self, t: int, d: int) -> bool:
+        return t <= self.target.num_blocks and (self.draft is None or d <= self.draft.num_blocks)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether a sequence of num_tokens could ever run alone (else refuse it at the door)."""
+        t = self.target.blocks(num_tokens + self.config.k_max + 1)
+        d = self.draft.blocks(num_tokens + 2 * (self.config.k_max + 1)) if self.draft else 0
+        return self._fits(t, d)
+
+    # ---- queue -----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop seq's caches; it goes back to the front of the queue and recomputes later."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.target_cached = seq.draft_cached = 0
+        seq.draft_stream = []
+        seq.draft_probs.clear()
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self, choose_ks: Callable[[list[Sequence], int], list[int]],
+                 decode_ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
+        """Build the next step. choose_ks(decoders, prefill_tokens) -> k per decoder (capped later
+        by the budget); decode_ready(seq) False keeps a decoder out of this step (it waits for
+        its proposal while other work runs)."""
+        plan = StepPlan()
+        self._make_room(plan)
+        self._admit()
+        budget = self.config.max_num_batched_tokens
+        prefilling = [s for s in self.running if s.prefilling]
+        if prefilling and not self.config.chunked_prefill:
+            # prefill-first: whole prompts, no decodes, as many as the budget allows (at least one)
+            for seq in prefilling:
+                size = len(seq.tokens) - seq.target_cached
+                if plan.chunks and plan.num_tokens + size > budget:
+                    break
+                plan.chunks.append(Chunk(seq, seq.target_cached, len(seq.tokens)))
+            return plan
+        decoders = [s for s in self.running if not s.prefilling and decode_ready(s)]
+        budget -= len(decoders)  # every decode costs at least its one token
+        assert budget >= 0, "max_num_seqs <= max_num_batched_tokens guarantees room for every decode"
+        prefill_tokens = min(budget, sum(len(s.tokens) - s.target_cached for s in prefilling))
+        ks = choose_ks(decoders, prefill_tokens) if decoders else []
+        for seq, k in zip(decoders, ks, strict=True):
+            k = max(0, min(k, budget, self.config.k_max))  # decodes before prompts: k may use the budget
+            plan.decodes.append((seq, k))
+            budget -= k
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            end = min(len(seq.tokens), seq.target_cached + budget)
+            plan.chunks.append(Chunk(seq, seq.target_cached, end))
+            budget -= end - seq.target_cached
+        return plan
+
+    def _make_room(self, plan: StepPlan) -> None:
+        t, d = self.usage()
+        while self.running and not self._fits(t, d):
+            victim = self.running[-1]
+            rt, rd = self._reserve(victim)
+            self.preempt(victim)
+            plan.preempted.append(victim)
+            t, d = t - rt, d - rd
+
+    def _admit(self) -> None:
+        t, d = self.usage()
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            rt, rd = self._reserve(seq)
+            if not self._fits(t + rt, d + rd):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            t, d = t + rt, d + rd

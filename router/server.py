@@ -1,0 +1,89 @@
+"""Run the router: engine + HTTP (uvicorn) + public gRPC (Generate, health, reflection) in one
+event loop, and stop them in order: stop taking requests, finish or abort what runs, release KV."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router import grpc_api
+from router.config import RouterConfig
+from router.engine import RouterEngine
+from router.http_api import create_app
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    target: str
+    draft: str | None
+    tokenizer_dir: str
+    model_name: str
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig, endpoints: Endpoints) -> None:
+        self.config = config
+        self.endpoints = endpoints
+        self.engine = RouterEngine(config, endpoints.target, endpoints.draft, endpoints.tokenizer_dir)
+        self.grpc_server: grpc.aio.Server | None = None
+        self.http: uvicorn.Server | None = None
+        self.grpc_port = 0
+
+    async def start(self, wait_s: float = 300.0) -> None:
+        await self.engine.start(wait_s)
+        e = self.endpoints
+        self.grpc_server = grpc.aio.server()
+        grpc_api.register(self.grpc_server, self.engine)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
+        reflection.enable_server_reflection((grpc_api.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.grpc_server)
+        self.grpc_port = self.grpc_server.add_insecure_port(f"{e.host}:{e.grpc_port}")
+        await self.grpc_server.start()
+        for name in ("", grpc_api.SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        app = create_app(self.engine, e.model_name)
+        self.http = uvicorn.Server(uvicorn.Config(app, host=e.host, port=e.http_port, log_level="warning",
+                                                  timeout_graceful_shutdown=5))
+        log.info("HTTP on http://%s:%d  gRPC on %s:%d  model %r", e.host, e.http_port, e.host, self.grpc_port,
+                 e.model_name)
+
+    async def serve_http(self) -> None:
+        """Until uvicorn stops (SIGINT/SIGTERM, or should_exit set)."""
+        assert self.http is not None
+        await self.http.serve()
+
+    @property
+    def http_port(self) -> int:
+        assert self.http is not None and self.http.servers, "HTTP not started"
+        return self.http.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(2.0)
+        await self.engine.stop()
+        log.info("router stopped")
+
+
+async def run(config: RouterConfig, endpoints: Endpoints, wait_s: float) -> None:
+    server = RouterServer(config, endpoints)
+    await server.start(wait_s)
+    try:
+        await server.serve_http()
+    finally:
+        await server.stop()
+
+
+def main_sync(config: RouterConfig, endpoints: Endpoints, wait_s: float) -> None:
+    asyncio.run(run(config, endpoints, wait_s))

@@ -1,0 +1,119 @@
+"""The whole stack in one test process: target and draft gRPC servers and the router (HTTP +
+gRPC), each on its own loopback port and event-loop thread. Real sockets, real protocols."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from draft_service import server as draft_server
+from engine import EngineConfig, ModelRunner
+from router.config import RouterConfig
+from router.server import Endpoints, RouterServer
+from target_service import server as target_server
+from tests.servers import RunningServer, start_server
+
+
+def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0,
+                 block_size: int = 16) -> tuple[RunningServer, ModelRunner]:
+    runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu"))
+    servicer = target_server.create_servicer(runner)
+    return start_server(lambda s: target_server.register(s, servicer), target_server.SERVICE_NAME, port), runner
+
+
+def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0) -> tuple[RunningServer, ModelRunner]:
+    runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=16, device="cpu"))
+    servicer = draft_server.create_servicer(runner)
+    return start_server(lambda s: draft_server.register(s, servicer), draft_server.SERVICE_NAME, port), runner
+
+
+@dataclass
+class RouterThread:
+    server: RouterServer
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    http_port: int
+    errors: list = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.server.grpc_port}"
+
+    def call(self, coro, timeout: float = 60.0):  # noqa: ANN001, ANN201
+        """Run a coroutine on the router's loop (e.g. engine calls) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        assert self.server.http is not None
+        self.loop.call_soon_threadsafe(setattr, self.server.http, "should_exit", True)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "router did not stop"
+
+
+def start_router(config: RouterConfig, target: str, draft: str | None, tokenizer_dir: Path,
+                 model_name: str = "tiny", wait_s: float = 30.0) -> RouterThread:
+    server = RouterServer(config, Endpoints(target=target, draft=draft, tokenizer_dir=str(tokenizer_dir),
+                                            model_name=model_name, http_port=0, grpc_port=0))
+    ready = threading.Event()
+    box: dict = {}
+
+    def main() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        box["loop"] = loop
+
+        async def run() -> None:
+            try:
+                await server.start(wait_s)
+                serving = asyncio.create_task(server.serve_http())
+                while not server.http.started and not serving.done():
+                    await asyncio.sleep(0.01)
+                ready.set()
+                await serving
+            except BaseException as err:  # surfaced by the waiting test
+                box["error"] = err
+                ready.set()
+                raise
+            finally:
+                await server.stop()
+
+        try:
+            loop.run_until_complete(run())
+        except BaseException:  # noqa: S110 - reported through box
+            pass
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    assert ready.wait(wait_s + 30), "router did not start"
+    if "error" in box:
+        raise box["error"]
+    return RouterThread(server, box["loop"], thread, server.http_port)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def complete(url: str, prompt: list[int] | str, max_tokens: int, **extra) -> dict:  # noqa: ANN003
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    body.update(extra)
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
