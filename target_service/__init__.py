@@ -1,0 +1,1 @@
+"""The target-model gRPC service: scores mixed batches, samples and runs the acceptance rule."""
