@@ -1,0 +1,43 @@
+"""python -m draft_service --model DIR [--port 50053]: serve a draft model until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from draft_service.server import SERVICE_NAME, create_servicer, register
+from engine.service import add_model_args, load_runner, serve
+
+DEFAULT_PORT = 50053
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m draft_service",
+        description="Tandem draft service: serves a small draft model over gRPC (tandem.v1.DraftService). "
+                    "Sync mirrors prompt chunks into its paged KV cache; Propose drafts k tokens for many "
+                    "sequences in batched rounds, with the sparse distribution each was sampled from. "
+                    "Implements grpc.health.v1 and reflection; stops gracefully on SIGTERM.",
+    )
+    add_model_args(parser, DEFAULT_PORT)
+    parser.add_argument("--sparse-top-n", type=int, default=32,
+                        help="draft probabilities shipped per token: sampling uses the top n of the filtered "
+                             "distribution, renormalised, so the shipped q is exactly what was sampled from")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.sparse_top_n < 1:
+        parser.error("--sparse-top-n must be >= 1")
+    if args.max_draft_tokens < 0:
+        parser.error("--max-draft-tokens must be >= 0")
+    runner = load_runner(args)
+    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.sparse_top_n)
+    asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
+                      args.grace_seconds))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""DraftService over gRPC: proto <-> Proposer, on engine/service.py's worker thread and error mapping."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from draft_service.proposer import DraftRequest, Proposer
+from engine.runner import InvalidInput, ModelRunner, SeqInput
+from engine.service import ModelWorker, check_deadline, rpc_errors, sampling_spec
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+SERVICE_NAME = "tandem.v1.DraftService"
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """Refuse a call already expired on arrival; otherwise its absolute deadline (monotonic)."""
+    check_deadline(context)
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _still_wanted(deadline: float | None) -> None:
+    # Calls queue behind the forward in flight; one whose caller gave up must not cost a forward.
+    if deadline is not None and time.monotonic() >= deadline:
+        raise InvalidInput("deadline", "expired while queued behind other work")
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
+                 sparse_top_n: int = 32) -> None:
+        self.worker = ModelWorker(runner, model_id, max_draft_tokens)
+        self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n)
+
+    @rpc_errors
+    async def GetInfo(self, request: common_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        check_deadline(context)
+        return self.worker.info()
+
+    @rpc_errors
+    async def Sync(self, request: draft_pb2.SyncRequest, context: grpc.aio.ServicerContext) -> draft_pb2.SyncResponse:
+        return await self.worker.run(self._sync, request, _deadline(context))
+
+    @rpc_errors
+    async def Propose(self, request: draft_pb2.ProposeRequest,
+                      context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
+        return await self.worker.run(self._propose, request, _deadline(context))
+
+    @rpc_errors
+    async def Release(self, request: common_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
+        check_deadline(context)
+        free = await self.worker.run(self.worker.release, list(request.seq_ids))
+        return common_pb2.ReleaseResponse(free_blocks=free)
+
+    # ---- on the model thread -----------------------------------------------------------------
+    def _sync(self, request: draft_pb2.SyncRequest, deadline: float | None) -> draft_pb2.SyncResponse:
+        _still_wanted(deadline)
+        chunks = [SeqInput(c.seq_id, c.start_pos, list(c.tokens), num_logits=0) for c in request.chunks]
+        cached = self.proposer.sync(chunks)
+        return draft_pb2.SyncResponse(cached_len=cached, free_blocks=self.worker.runner.blocks.num_free)
+
+    def _propose(self, request: draft_pb2.ProposeRequest, deadline: float | None) -> draft_pb2.ProposeResponse:
+        _still_wanted(deadline)
+        requests = [
+            DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k,
+                         sampling_spec(e.sampling, f"entries[{n}].sampling"), e.want_guess)
+            for n, e in enumerate(request.entries)
+        ]
+        out = self.proposer.propose(requests)
+        return draft_pb2.ProposeResponse(
+            proposals=[
+                draft_pb2.Proposal(
+                    seq_id=r.seq_id, tokens=r.tokens, guess=r.guess, cached_len=r.cached_len,
+                    probs=[common_pb2.SparseDist(token_ids=q.token_ids, probs=q.probs) for q in r.probs],
+                )
+                for r in out.results
+            ],
+            forward_ms=out.forward_ms,
+        )
+
+
+def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
+                    sparse_top_n: int = 32) -> DraftServicer:
+    return DraftServicer(runner, model_id, max_draft_tokens, sparse_top_n)
+
+
+def register(server: grpc.aio.Server, servicer: DraftServicer) -> None:
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)

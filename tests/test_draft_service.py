@@ -1,0 +1,397 @@
+"""DraftService over real gRPC on loopback, against transformers' greedy continuation of the
+same tiny random-init checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenizers import Tokenizer, models
+from transformers import LlamaConfig
+
+from draft_service import SERVICE_NAME, create_servicer, register
+from engine import EngineConfig, ModelRunner
+from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample, truncate_top
+from engine.service import CACHE_MISS_METADATA
+from engine.tokenizer import tokenizer_fingerprint
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from tests.conftest import SMALL, hf_greedy, hf_logits, write_checkpoint
+from tests.servers import start_server
+
+VOCAB = SMALL["vocab_size"]
+MAX_K = 8
+TOP_N = 16
+REPO = Path(__file__).resolve().parents[1]
+
+
+def toks(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_checkpoint(directory: Path, seed: int) -> Path:
+    write_checkpoint(LlamaConfig(**SMALL), directory, seed=seed)
+    vocab = {f"t{i}": i for i in range(VOCAB)}  # a shared tokenizer gives equal fingerprints
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def serve_runner(runner: ModelRunner, **kwargs) -> SimpleNamespace:
+    servicer = create_servicer(runner, **kwargs)
+    server = start_server(lambda s: register(s, servicer), SERVICE_NAME)
+    channel = grpc.insecure_channel(server.address)
+    return SimpleNamespace(runner=runner, server=server, channel=channel, stub=draft_pb2_grpc.DraftServiceStub(channel))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("draft"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def svc(draft_dir):
+    runner = ModelRunner.load(draft_dir, EngineConfig(num_blocks=1024, block_size=4, device="cpu"))
+    s = serve_runner(runner, max_draft_tokens=MAX_K, sparse_top_n=TOP_N)
+    yield s
+    s.channel.close()
+    s.server.stop()
+
+
+def entry(seq_id: int, start_pos: int, tokens: list[int], k: int, guess: bool = False, temperature: float = 0.0,
+          seed: int | None = None, top_k: int = 0, top_p: float = 0.0) -> draft_pb2.ProposeEntry:
+    sp = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed or 0,
+                                   has_seed=seed is not None)
+    return draft_pb2.ProposeEntry(seq_id=seq_id, start_pos=start_pos, tokens=tokens, k=k, sampling=sp,
+                                  want_guess=guess)
+
+
+def propose(stub, *entries: draft_pb2.ProposeEntry) -> list[draft_pb2.Proposal]:
+    return list(stub.Propose(draft_pb2.ProposeRequest(entries=entries), timeout=30).proposals)
+
+
+def sync(stub, *chunks: tuple[int, int, list[int]]) -> draft_pb2.SyncResponse:
+    return stub.Sync(draft_pb2.SyncRequest(chunks=[draft_pb2.Chunk(seq_id=s, start_pos=p, tokens=t)
+                                                   for s, p, t in chunks]), timeout=30)
+
+
+def test_greedy_proposals_equal_hf_greedy_continuation(svc, draft_dir):
+    p1, p2, p3, p4 = toks(1, 23), toks(2, 17), toks(3, 30), toks(4, 9)
+    # prompts arrive in chunks across calls, several sequences per call; the draft never saw the last token
+    assert list(sync(svc.stub, (101, 0, p1[:8]), (102, 0, p2[:10])).cached_len) == [8, 10]
+    assert list(sync(svc.stub, (101, 8, p1[8:22]), (102, 10, p2[10:16]), (103, 0, p3)).cached_len) == [22, 16, 30]
+    calls = svc.runner.forward_calls
+    got = propose(svc.stub,
+                  entry(101, 22, p1[22:], k=5, guess=True),
+                  entry(102, 16, p2[16:], k=3),
+                  entry(103, 27, p3[27:], k=4, guess=True),  # trims 3 cached tokens and recomputes them
+                  entry(104, 0, p4, k=0, guess=True))  # k = 0: only caches, no guess
+    assert svc.runner.forward_calls - calls == 6  # max(k + guess), not the sum
+    for prompt, k, guess, prop in [(p1, 5, True, got[0]), (p2, 3, False, got[1]), (p3, 4, True, got[2])]:
+        ref = hf_greedy(draft_dir, prompt, k + 1)
+        assert list(prop.tokens) == ref[:k]
+        assert prop.guess == (ref[k] if guess else -1)
+        assert len(prop.probs) == 0  # greedy ships ids only
+        assert prop.cached_len == len(prompt) + k - 1 + guess
+    assert (list(got[3].tokens), got[3].guess, got[3].cached_len) == ([], -1, len(p4))
+    # the k = 0 entry is really cached: the next proposal starts from it
+    [nxt] = propose(svc.stub, entry(104, len(p4), [7], k=3))
+    assert list(nxt.tokens) == hf_greedy(draft_dir, p4 + [7], 3)
+
+
+def test_partial_then_full_acceptance(svc, draft_dir, monkeypatch):
+    runner = svc.runner
+    prompt = toks(5, 20)
+    sync(svc.stub, (201, 0, prompt[:-1]))
+    [first] = propose(svc.stub, entry(201, 19, prompt[-1:], k=5, guess=True))
+    d = list(first.tokens)
+    assert d == hf_greedy(draft_dir, prompt, 5) and first.cached_len == 25
+
+    # target accepts d1, d2 and corrects d3: the draft's d3..d5 must go, c follows d2
+    c = (d[2] + 1) % VOCAB
+    hist = prompt + d[:2] + [c]
+    [part] = propose(svc.stub, entry(201, len(prompt) + 2, [c], k=4, guess=True))
+    ref = hf_greedy(draft_dir, hist, 5)
+    assert list(part.tokens) == ref[:4] and part.guess == ref[4]
+    assert part.cached_len == len(hist) + 4 - 1 + 1
+
+    # full acceptance: the target emits all 4 drafts plus a bonus that is not the draft's guess
+    seen = []
+    forward = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda inputs: seen.append(list(inputs)) or forward(inputs))
+    for bonus in [(part.guess + 5) % VOCAB, None]:
+        hist = hist + list(part.tokens) + [part.guess if bonus is None else bonus]
+        start = len(hist) - 1
+        assert part.cached_len == start  # exactly what the draft holds: nothing to recompute
+        assert runner.cached_len(201) == start
+        seen.clear()
+        [part] = propose(svc.stub, entry(201, start, hist[-1:], k=4, guess=True))
+        ref = hf_greedy(draft_dir, hist, 5)
+        assert list(part.tokens) == ref[:4] and part.guess == ref[4]
+        assert [(x.start_pos, len(x.tokens)) for x in seen[0]] == [(start, 1)]  # round 1: one new token
+        assert [len(inputs) for inputs in seen] == [1] * 5
+        assert part.cached_len == start + 1 + 4
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[201]), timeout=10)
+
+
+def _reference_draw(draft_dir, history: list[int], spec: SamplingSpec) -> tuple[dict[int, float], int]:
+    """transformers' q after the history, and the token the seeded draw for position len(history) picks."""
+    logits = hf_logits(draft_dir, history)[-1:]
+    ids, q = truncate_top(filtered_probs(logits, [spec]), TOP_N)
+    pick = sample(q, [row_generator(spec.seed, len(history), 0)])
+    return {i: p for i, p in zip(ids[0].tolist(), q[0].tolist(), strict=True) if p > 0}, int(ids[0, pick])
+
+
+SAMPLED = [  # (seq_id, temperature, top_k, top_p, seed)
+    (301, 0.7, 0, 0.0, 11), (302, 1.0, 0, 0.0, 12), (303, 1.3, 20, 0.0, 13), (304, 1.0, 0, 0.9, 14),
+    (305, 1.0, 5, 0.8, 15),
+]
+
+
+def test_sampled_tokens_follow_their_shipped_sparse_q(svc, draft_dir):
+    prompts = {s: toks(s, 12) for s, *_ in SAMPLED}
+    k = 4
+    batch = [entry(s, 0, prompts[s], k, temperature=t, top_k=tk, top_p=tp, seed=seed) for s, t, tk, tp, seed in SAMPLED]
+    got = propose(svc.stub, *batch, entry(306, 0, toks(306, 12), k))  # one greedy neighbour
+    assert len(got[-1].probs) == 0
+    for (s, t, tk, tp, seed), prop in zip(SAMPLED, got, strict=False):
+        assert len(prop.tokens) == len(prop.probs) == k
+        hist = prompts[s]
+        for tok, dist in zip(prop.tokens, prop.probs, strict=True):
+            ids, probs = list(dist.token_ids), list(dist.probs)
+            assert tok in ids and len(set(ids)) == len(ids) <= TOP_N
+            assert all(0.0 < p <= 1.0 for p in probs) and sum(probs) <= 1 + 1e-5
+            # q shipped is the target's filtered distribution at this position, truncated to TOP_N
+            ref, ref_tok = _reference_draw(draft_dir, hist, SamplingSpec(temperature=t, top_k=tk, top_p=tp or 1.0,
+                                                                         seed=seed))
+            assert tok == ref_tok  # drawn with row_generator(seed, absolute position, stream 0)
+            assert sorted(ids) == sorted(ref)
+            for i, p in zip(ids, probs, strict=True):
+                assert abs(p - ref[i]) < 1e-4
+            hist = hist + [tok]
+        if tk:
+            assert all(len(dist.token_ids) <= tk for dist in prop.probs)
+
+    # seeded proposals reproduce whatever shares the batch (here: reversed, plus unseeded neighbours)
+    again = propose(svc.stub, entry(307, 0, toks(307, 5), 3, temperature=1.0), *reversed(batch),
+                    entry(308, 0, toks(308, 9), 2, temperature=1.0))
+    for prop, rep in zip(got, reversed(again[1:-1]), strict=False):
+        assert list(rep.tokens) == list(prop.tokens)
+        assert [list(q.token_ids) for q in rep.probs] == [list(q.token_ids) for q in prop.probs]
+        for q_rep, q_got in zip(rep.probs, prop.probs, strict=True):  # equal up to batch-shape float rounding
+            torch.testing.assert_close(torch.tensor(q_rep.probs), torch.tensor(q_got.probs), atol=1e-6, rtol=0)
+    # ... and the seed matters
+    reseeded = propose(svc.stub, *[entry(s, 0, prompts[s], k, temperature=t, top_k=tk, top_p=tp, seed=seed + 100)
+                                   for s, t, tk, tp, seed in SAMPLED])
+    assert [list(p.tokens) for p in reseeded] != [list(p.tokens) for p in got[:-1]]
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=list(range(301, 309))), timeout=10)
+
+
+def test_32_sequences_k4_with_guess_take_5_forwards(svc, draft_dir):
+    prompts = {400 + i: toks(400 + i, 5 + i % 13) for i in range(32)}
+    sync(svc.stub, *[(s, 0, p[:-1]) for s, p in prompts.items()])
+    calls = svc.runner.forward_calls
+    got = propose(svc.stub, *[entry(s, len(p) - 1, p[-1:], k=4, guess=True) for s, p in prompts.items()])
+    assert svc.runner.forward_calls - calls == 5  # not 32 * 4
+    for (s, p), prop in zip(prompts.items(), got, strict=True):
+        assert prop.seq_id == s
+        assert list(prop.tokens) + [prop.guess] == hf_greedy(draft_dir, p, 5)
+        assert prop.cached_len == len(p) + 4
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=list(prompts)), timeout=10)
+
+
+BAD_PROPOSALS = [
+    ("empty batch", [], "entries"),
+    ("duplicate", [entry(601, 10, [1], 2), entry(601, 10, [1], 2)], "entries[1].seq_id"),
+    ("empty tokens", [entry(601, 10, [], 2)], "entries[0].tokens"),
+    ("token id", [entry(601, 10, [VOCAB], 2)], "entries[0].tokens"),
+    ("k too large", [entry(601, 10, [1], MAX_K + 1)], "entries[0].k"),
+    ("temperature", [entry(601, 10, [1], 2), entry(602, 0, [1], 2, temperature=-1.0)],
+     "entries[1].sampling.temperature"),
+    ("top_p", [entry(601, 10, [1], 2, temperature=1.0, top_p=1.5)], "entries[0].sampling.top_p"),
+    ("top_k", [entry(601, 10, [1], 2, temperature=1.0, top_k=-3)], "entries[0].sampling.top_k"),
+    ("past max_model_len", [entry(601, 250, [1, 2], 5)], "entries[0].k"),
+    ("start past max_model_len", [entry(601, 256, [1], 0)], "entries[0].start_pos"),
+    ("max_batch_tokens", [entry(700 + i, 0, [1] * 200, 0) for i in range(11)], "max_batch_tokens"),
+]
+
+
+@pytest.mark.parametrize("name, entries, field", BAD_PROPOSALS, ids=[b[0] for b in BAD_PROPOSALS])
+def test_bad_proposals_are_refused_and_change_nothing(svc, name, entries, field):
+    runner = svc.runner
+    prefix = toks(600, 10)
+    sync(svc.stub, (601, 0, prefix))
+    before = (runner.forward_calls, runner.blocks.num_free, runner.cached_len(601), runner.blocks.num_sequences)
+    with pytest.raises(grpc.RpcError) as err:
+        propose(svc.stub, *entries)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    after = (runner.forward_calls, runner.blocks.num_free, runner.cached_len(601), runner.blocks.num_sequences)
+    assert after == before
+    [ok] = propose(svc.stub, entry(601, 10, [1], 2))  # a valid call right after succeeds
+    assert len(ok.tokens) == 2 and ok.cached_len == 12
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[601]), timeout=10)
+
+
+def test_cache_miss_names_the_sequences(svc, draft_dir):
+    sync(svc.stub, (611, 0, toks(611, 6)))
+    free = svc.runner.blocks.num_free
+    calls = [(lambda: propose(svc.stub, entry(611, 6, [1], 2), entry(612, 4, [1], 2), entry(613, 1, [2], 1)),
+              "612,613"),
+             (lambda: sync(svc.stub, (611, 7, [1]), (612, 3, [1])), "611,612")]
+    for call, missing in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert dict(err.value.trailing_metadata())[CACHE_MISS_METADATA] == missing
+        assert svc.runner.cached_len(611) == 6 and svc.runner.blocks.num_free == free
+    # recovery: resend the history from 0
+    [ok] = propose(svc.stub, entry(612, 0, toks(612, 5), 3))
+    assert list(ok.tokens) == hf_greedy(draft_dir, toks(612, 5), 3)
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[611, 612]), timeout=10)
+
+
+@pytest.mark.parametrize("chunks, field", [([], "chunks"), ([(621, 0, [])], "chunks[0].tokens"),
+                                           ([(621, 0, [1]), (621, 0, [2])], "chunks[1].seq_id"),
+                                           ([(621, 250, [1] * 7)], "chunks[0].start_pos")])
+def test_bad_sync_is_refused(svc, chunks, field):
+    with pytest.raises(grpc.RpcError) as err:
+        sync(svc.stub, *chunks)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    assert svc.runner.cached_len(621) == 0
+    assert list(sync(svc.stub, (621, 0, [1, 2, 3])).cached_len) == [3]
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[621]), timeout=10)
+
+
+def test_capacity_is_checked_for_the_whole_proposal(draft_dir, tmp_path, svc):
+    other = make_checkpoint(tmp_path / "other", seed=9)  # different weights, same tokenizer
+    small = serve_runner(ModelRunner.load(other, EngineConfig(num_blocks=8, block_size=4, device="cpu")))
+    try:
+        info = small.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+        assert info.tokenizer_fingerprint == svc.stub.GetInfo(common_pb2.GetInfoRequest()).tokenizer_fingerprint
+        assert info.tokenizer_fingerprint == tokenizer_fingerprint(other) != ""
+        runner = small.runner
+        sync(small.stub, (1, 0, toks(1, 20)))  # 5 of 8 blocks
+        calls = runner.forward_calls
+        # round 1 (8 tokens, 2 blocks) would fit; the whole call (8 + 5 drafts cached + d_6 = 14 tokens) does not
+        for call in (lambda: propose(small.stub, entry(2, 0, toks(2, 8), k=6, guess=True)),
+                     lambda: sync(small.stub, (2, 0, toks(2, 13)))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert runner.forward_calls == calls and runner.blocks.num_free == 3 and not runner.blocks.has(2)
+        [ok] = propose(small.stub, entry(2, 0, toks(2, 8), k=4))  # caches 8 + 3 = 11 tokens: 3 blocks
+        assert ok.cached_len == 11 and runner.blocks.num_free == 0
+        runner.blocks.check_invariants()
+    finally:
+        small.channel.close()
+        small.server.stop()
+
+
+def test_info_release_and_health(svc, draft_dir):
+    stub = svc.stub
+    info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+    assert (info.protocol, info.vocab_size, info.block_size, info.num_blocks, info.max_draft_tokens) == (
+        "tandem.v1", VOCAB, 4, 1024, MAX_K)
+    assert info.model_id == draft_dir.name and info.max_model_len == 256
+    sync(stub, (801, 0, toks(801, 30)), (802, 0, toks(802, 3)))
+    held = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+    assert held.free_blocks == info.free_blocks - 8 - 1
+    assert held.num_sequences == info.num_sequences + 2
+    for _ in range(2):  # idempotent, unknown ids ignored
+        freed = stub.Release(common_pb2.ReleaseRequest(seq_ids=[801, 802, 999_999]), timeout=10)
+        assert freed.free_blocks == info.free_blocks
+    assert stub.GetInfo(common_pb2.GetInfoRequest()).num_sequences == info.num_sequences
+    svc.runner.blocks.check_invariants()
+    health = health_pb2_grpc.HealthStub(svc.channel)
+    for name in ("", SERVICE_NAME):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """The few ServicerContext methods the servicer uses, with a chosen time budget."""
+
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+    def set_trailing_metadata(self, metadata) -> None:
+        pass
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+def test_expired_deadlines_cost_no_forward(draft_dir):
+    runner = ModelRunner.load(draft_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
+    servicer = create_servicer(runner)
+    request = draft_pb2.ProposeRequest(entries=[entry(1, 0, [1, 2, 3], 2)])
+
+    async def scenario() -> None:
+        with pytest.raises(_Aborted, match="deadline"):  # expired on arrival
+            await servicer.Propose(request, _Context(0.0))
+        # expires while queued behind a forward in flight
+        busy = asyncio.ensure_future(servicer.worker.run(time.sleep, 0.3))
+        await asyncio.sleep(0.01)
+        with pytest.raises(_Aborted, match="deadline"):
+            await servicer.Propose(request, _Context(0.1))
+        await busy
+        ok = await servicer.Propose(request, _Context(None))
+        assert len(ok.proposals[0].tokens) == 2
+
+    asyncio.run(scenario())
+    assert runner.forward_calls == 2  # only the last call's two rounds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serves_until_sigterm(draft_dir):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "draft_service", "--model", str(draft_dir), "--port", str(port),
+                             "--num-blocks", "64", "--block-size", "4", "--threads", "1", "--log-level", "WARNING"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline, "draft service never became SERVING"
+                time.sleep(0.2)
+            [prop] = propose(draft_pb2_grpc.DraftServiceStub(channel), entry(1, 0, [5, 6, 7], 3))
+            assert list(prop.tokens) == hf_greedy(draft_dir, [5, 6, 7], 3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, proc.stdout.read().decode()
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
