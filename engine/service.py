@@ -135,15 +135,21 @@ def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KVCacheExhausted as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except DeadlineExpired as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         raise AssertionError("unreachable")  # abort() raises
 
     return wrapper
 
 
+class DeadlineExpired(Exception):
+    """The call's deadline passed before its work could start."""
+
+
 def check_deadline(context: grpc.aio.ServicerContext) -> None:
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
-        raise InvalidInput("deadline", "already expired on arrival")
+        raise DeadlineExpired("deadline already passed")
 
 
 async def serve(

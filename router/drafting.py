@@ -179,7 +179,9 @@ class DraftLane:
             seq = r.seq
             seq.draft_stream = r.base + list(prop.tokens)
             seq.draft_cached = prop.cached_len
-            seq.draft_probs = {len(r.base) + j: q for j, q in enumerate(prop.probs)}
+            # the base may end in drafts still being verified: keep their q, add the new ones
+            kept_q = {pos: q for pos, q in seq.draft_probs.items() if pos < len(r.base)}
+            seq.draft_probs = kept_q | {len(r.base) + j: q for j, q in enumerate(prop.probs)}
         return True
 
     async def _guard(self, call, seqs: list[Sequence], what: str) -> bool | None:  # noqa: ANN001

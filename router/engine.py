@@ -264,14 +264,9 @@ class RouterEngine:
         self.metrics.target_up.set(1)
 
     async def _release(self) -> None:
-        if not self._to_release:
-            return
-        ids, self._to_release = self._to_release, []
-        try:
-            await self.target.release(ids)
-        except (ServiceDown, Rejected) as err:
-            log.debug("target release failed (%s); its cache is gone or will be trimmed", err)
-        await self.draft.release(ids)
+        if self._to_release and self.loop is not None:
+            ids, self._to_release = self._to_release, []
+            await self.loop.release_now(ids)
 
     def _update_gauges(self) -> None:
         assert self.scheduler is not None

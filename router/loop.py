@@ -44,6 +44,7 @@ class StepLoop:
         self.trackers: dict[int, AcceptanceTracker] = {}
         self.next_k: dict[int, int] = {}  # desired k per sequence, sizes its next proposal
         self.steps = 0
+        self._pending_release: list[int] = []
 
     # ---- speculation policy ------------------------------------------------------------------
     def spec_cap(self, seq: Sequence) -> int:
@@ -83,18 +84,33 @@ class StepLoop:
         return not (self._reproducible(seq) and self.spec_cap(seq) > 0 and not seq.proposal())
 
     # ---- one iteration ---------------------------------------------------------------------------
+    async def release_now(self, seq_ids: list[int]) -> None:
+        try:
+            await self.target.release(seq_ids)
+        except (ServiceDown, Rejected) as err:
+            log.warning("target release failed: %s", err)
+        await self.draft.release(seq_ids)
+
     async def iteration(self) -> bool:
         """Run one step; False when there was nothing to do."""
         t_start = time.perf_counter()
+        if self._pending_release:
+            ids, self._pending_release = self._pending_release, []
+            await self.release_now(ids)
         draft_ms = await self._sequential_proposals()
         plan = self.scheduler.schedule(self._choose_ks, self._decode_ready)
-        for seq in plan.preempted:
-            self.metrics.preemptions.inc()
-            log.info("preempted seq %d (%d tokens) for recompute", seq.seq_id, len(seq.tokens))
+        if plan.preempted:
+            for seq in plan.preempted:
+                self.metrics.preemptions.inc()
+                log.info("preempted seq %d (%d tokens) for recompute", seq.seq_id, len(seq.tokens))
+            await self.release_now([s.seq_id for s in plan.preempted])  # their blocks must be free for this step
         if plan.empty:
             return draft_ms > 0
         entries, sent = self._entries(plan)
-        draft_task = asyncio.create_task(self._draft_during_step(plan, sent)) if self.draft.up else None
+        draft_task = None
+        if self.draft.up:
+            chunks = [(c.seq, list(c.seq.tokens), c.end) for c in plan.chunks]
+            draft_task = asyncio.create_task(self._draft_during_step(chunks, self._optimistic_requests(plan, sent)))
         try:
             response = await self.target.step(entries)
         except CacheMissError as err:
@@ -158,10 +174,11 @@ class StepLoop:
         requests = [ProposalRequest(s, list(s.tokens), max(1, self.next_k.get(s.seq_id, 1))) for s in lacking]
         return await self.draft.propose(requests, {s.seq_id: s.request.sampling.to_proto() for s in lacking})
 
-    async def _draft_during_step(self, plan: StepPlan, sent: list[list[int]]) -> None:
-        await self.draft.sync([(c.seq, c.seq.tokens, c.end) for c in plan.chunks])
+    def _optimistic_requests(self, plan: StepPlan, sent: list[list[int]]) -> list[ProposalRequest]:
+        """Next proposals, drafted while the target scores this step. Bases are captured now,
+        before the target's answer changes any history."""
         if not self.config.pipeline:
-            return
+            return []
         requests = []
         for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
             k_next = self.next_k.get(seq.seq_id, 0)
@@ -170,6 +187,11 @@ class StepLoop:
         for c in plan.chunks:
             if c.emit and self.spec_cap(c.seq) > 0:  # the first proposed token guesses the first output token
                 requests.append(ProposalRequest(c.seq, list(c.seq.tokens), self.spec_cap(c.seq) + 1))
+        return requests
+
+    async def _draft_during_step(self, chunks: list[tuple[Sequence, list[int], int]],
+                                 requests: list[ProposalRequest]) -> None:
+        await self.draft.sync(chunks)
         specs = {r.seq.seq_id: r.seq.request.sampling.to_proto() for r in requests}
         await self.draft.propose(requests, specs)
 
@@ -219,7 +241,10 @@ class StepLoop:
         """The target refused the step: a capacity mismatch preempts, a bad entry fails its request."""
         log.error("target rejected a step: %s", err)
         if err.code.name == "RESOURCE_EXHAUSTED" and self.scheduler.running:
-            self.scheduler.preempt(self.scheduler.running[-1])
+            victim = self.scheduler.running[-1]  # the service holds blocks the router did not count
+            self.scheduler.preempt(victim)
+            self.metrics.preemptions.inc()
+            self._pending_release.append(victim.seq_id)
             return
         seqs = [s for s, _ in plan.decodes] + [c.seq for c in plan.chunks]
         marker = "entries["

@@ -31,10 +31,11 @@ class Chunk:
     seq: Sequence
     start: int  # target_cached before the chunk
     end: int  # exclusive; == len(seq.tokens) on the last chunk, which emits
+    # fixed when the chunk is made: once the step's token is applied, end < len(seq.tokens)
+    emit: bool = field(init=False)
 
-    @property
-    def emit(self) -> bool:
-        return self.end == len(self.seq.tokens)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "emit", self.end == len(self.seq.tokens))
 
 
 @dataclass
