@@ -7,8 +7,8 @@ import time
 import grpc
 
 from draft_service.proposer import DraftRequest, Proposer
-from engine.runner import InvalidInput, ModelRunner, SeqInput
-from engine.service import ModelWorker, check_deadline, rpc_errors, sampling_spec
+from engine.runner import ModelRunner, SeqInput
+from engine.service import DeadlineExpired, ModelWorker, check_deadline, rpc_errors, sampling_spec
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.DraftService"
@@ -24,7 +24,7 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 def _still_wanted(deadline: float | None) -> None:
     # Calls queue behind the forward in flight; one whose caller gave up must not cost a forward.
     if deadline is not None and time.monotonic() >= deadline:
-        raise InvalidInput("deadline", "expired while queued behind other work")
+        raise DeadlineExpired("deadline passed while the call waited for the model thread")
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
