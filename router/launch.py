@@ -1,0 +1,204 @@
+"""Start the whole stack on one machine: target, draft and router as three processes on loopback.
+
+    python -m router.launch --models models/demo            # what `make run` runs
+    python -m router.launch --models models/demo --no-draft  # target-only (k = 0)
+
+Waits until the router answers /ready, prints how to call it, and on Ctrl-C (or SIGTERM) stops
+all three: the router first, then the services, each given time to finish what is in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _grpc_serving(address: str, timeout: float = 1.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class Stack:
+    models: Path
+    draft: bool = True
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    target_port: int = 50052
+    draft_port: int = 50053
+    service_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    log_dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT
+                                            if out else None, cwd=Path(__file__).resolve().parent.parent)
+
+    def start_service(self, name: str) -> None:
+        port = self.target_port if name == "target" else self.draft_port
+        module = "target_service" if name == "target" else "draft_service"
+        self._spawn(name, [module, "--model", str(self.models / name), "--host", self.host, "--port", str(port),
+                           *self.service_args])
+
+    def start_router(self) -> None:
+        args = ["router", "--target", f"{self.host}:{self.target_port}", "--tokenizer", str(self.models / "target"),
+                "--served-model-name", self.models.name, "--host", self.host, "--http-port", str(self.http_port),
+                "--grpc-port", str(self.grpc_port), *self.router_args]
+        if self.draft:
+            args += ["--draft", f"{self.host}:{self.draft_port}"]
+        self._spawn("router", args)
+
+    def wait_service(self, name: str, timeout: float = 300.0) -> None:
+        port = self.target_port if name == "target" else self.draft_port
+        self._wait(name, lambda: _grpc_serving(f"{self.host}:{port}"), timeout)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        self._wait("router", lambda: _http_ok(f"{self.url}/ready"), timeout)
+
+    def _wait(self, name: str, check, timeout: float) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + timeout
+        while not check():
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not ready after {timeout:.0f}s")
+            time.sleep(0.2)
+
+    def start(self, timeout: float = 300.0) -> None:
+        for name in ("target", "draft") if self.draft else ("target",):
+            self.start_service(name)
+        self.start_router()
+        self.wait_ready(timeout)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        proc.send_signal(sig)
+        proc.wait(30)
+
+    def stop(self, timeout: float = 20.0, signalled: bool = False) -> dict[str, int]:
+        """SIGTERM in order (router, then services); SIGKILL what is still alive after timeout.
+        signalled: the children got the terminal's Ctrl-C too; let them finish on their own first."""
+        codes = {}
+        if signalled:
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+                time.sleep(0.1)
+        for name in ("router", "draft", "target"):
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                codes[name] = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m router.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="models/demo", help="directory with target/ and draft/ model dirs")
+    p.add_argument("--no-draft", action="store_true", help="serve target-only (no speculation)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=int(os.environ.get("TANDEM_HTTP_PORT", 8000)))
+    p.add_argument("--grpc-port", type=int, default=int(os.environ.get("TANDEM_GRPC_PORT", 50051)))
+    p.add_argument("--target-port", type=int, default=50052)
+    p.add_argument("--draft-port", type=int, default=50053)
+    p.add_argument("--service-arg", action="append", default=[], help="extra flag for both services (repeat)")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeat)")
+    args = p.parse_args(argv)
+    models = Path(args.models)
+    missing = [d for d in ("target", "draft") if not (models / d / "config.json").is_file()]
+    if missing and not (args.no_draft and missing == ["draft"]):
+        print(f"no model in {models}/{missing[0]}: run `make models` first", file=sys.stderr)
+        return 2
+    stack = Stack(models, draft=not args.no_draft, host=args.host, http_port=args.http_port,
+                  grpc_port=args.grpc_port, target_port=args.target_port, draft_port=args.draft_port,
+                  service_args=args.service_arg, router_args=args.router_arg)
+    signal.signal(signal.SIGTERM, _interrupt)
+    interrupted = False
+    try:
+        print(f"starting target{' and draft' if stack.draft else ''} on {models} ...", flush=True)
+        stack.start()
+        _print_usage(stack)
+        while all(proc.poll() is None for proc in stack.procs.values()):
+            time.sleep(0.5)
+        time.sleep(0.5)  # a terminal's Ctrl-C reaches the children too; let ours arrive
+        dead = {n: proc.returncode for n, proc in stack.procs.items() if proc.poll() is not None}
+        print(f"{', '.join(f'{n} (exit {c})' for n, c in dead.items())} stopped; stopping the stack",
+              file=sys.stderr)
+        return 0 if all(c in (0, -signal.SIGINT, -signal.SIGTERM) for c in dead.values()) else 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        interrupted = True
+        return 0
+    except (RuntimeError, TimeoutError) as err:
+        print(f"failed to start: {err}", file=sys.stderr)
+        return 1
+    finally:
+        codes = stack.stop(signalled=interrupted)
+        print("stopped: " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()), flush=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C does
+
+
+def _print_usage(stack: Stack) -> None:
+    name = stack.models.name
+    mode = "" if stack.draft else "  [target-only]"
+    print(f"""
+Tandem is ready: {stack.url}  (gRPC Generate on {stack.host}:{stack.grpc_port}){mode}
+
+  curl {stack.url}/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{name}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{stack.url}/v1', api_key='none'); \\
+print(c.completions.create(model='{name}', prompt='import os\\n', max_tokens=32, temperature=0).choices[0].text)"
+
+  metrics: {stack.url}/metrics        Ctrl-C stops all three.
+""", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
