@@ -1,0 +1,310 @@
+"""Build orchestration: settings per variant, the settings hash that makes builds cached,
+the pipeline (corpus -> tokenizer -> target -> distilled draft -> save -> measure), saving."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import tokenizers
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from . import evaluate, train
+from .corpus import load_corpus
+from .report import format_report, load_report, save_report
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID, copy_tokenizer, encode_documents, save_tokenizer, train_tokenizer
+from .train import ModelShape, TrainSchedule
+
+# Bump when the recipe changes in a way the settings below do not capture.
+RECIPE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    variant: str
+    seed: int
+    # corpus and tokenizer
+    max_file_bytes: int
+    max_total_bytes: int
+    heldout_percent: int
+    vocab_size: int
+    max_positions: int
+    # target
+    target_shape: ModelShape
+    target_train: TrainSchedule
+    # distillation data: corpus prompts continued greedily by the target
+    distill_seqs: int
+    distill_seq_len: int
+    distill_prompt_lens: tuple[int, ...]
+    distill_gen_batch: int
+    distill_top_k: int
+    # draft
+    draft_shape: ModelShape
+    draft_train: TrainSchedule
+    soft_weight: float
+    # evaluation
+    eval_prompts: int
+    eval_prompt_len: int
+    eval_new_tokens: int
+    eval_k_max: int
+    eval_ce_tokens: int
+    cost_context: int
+    cost_repeats: int
+    threads: int = 2
+    notes: dict = field(default_factory=dict, compare=False)
+
+
+VARIANTS: dict[str, Settings] = {
+    # ~12-14 minutes on a quiet 2-core machine.
+    "full": Settings(
+        variant="full",
+        seed=1234,
+        max_file_bytes=200_000,
+        max_total_bytes=12_000_000,
+        heldout_percent=5,
+        vocab_size=4096,
+        max_positions=1024,
+        target_shape=ModelShape(layers=8, hidden=256, intermediate=768, heads=4, kv_heads=2),
+        target_train=TrainSchedule(steps=360, batch=16, seq_len=256, lr=2e-3, warmup=30, max_seconds=480),
+        distill_seqs=1024,
+        distill_seq_len=256,
+        distill_prompt_lens=(32, 64, 96, 128),
+        distill_gen_batch=64,
+        distill_top_k=16,
+        draft_shape=ModelShape(layers=1, hidden=192, intermediate=512, heads=3, kv_heads=3),
+        draft_train=TrainSchedule(steps=400, batch=32, seq_len=255, lr=3e-3, warmup=20, max_seconds=240),
+        soft_weight=1.0,
+        eval_prompts=32,
+        eval_prompt_len=128,
+        eval_new_tokens=128,
+        eval_k_max=8,
+        eval_ce_tokens=32768,
+        cost_context=256,
+        cost_repeats=200,
+    ),
+    # Seconds: for tests. Tiny shapes and a handful of steps; acceptance is not meaningful.
+    "tiny": Settings(
+        variant="tiny",
+        seed=1234,
+        max_file_bytes=50_000,
+        max_total_bytes=400_000,
+        heldout_percent=10,
+        vocab_size=512,
+        max_positions=512,
+        target_shape=ModelShape(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1),
+        target_train=TrainSchedule(steps=8, batch=4, seq_len=64, lr=3e-3, warmup=2),
+        distill_seqs=16,
+        distill_seq_len=48,
+        distill_prompt_lens=(16, 24),
+        distill_gen_batch=8,
+        distill_top_k=8,
+        draft_shape=ModelShape(layers=1, hidden=32, intermediate=64, heads=1, kv_heads=1),
+        draft_train=TrainSchedule(steps=8, batch=8, seq_len=47, lr=3e-3, warmup=2),
+        soft_weight=1.0,
+        eval_prompts=4,
+        eval_prompt_len=16,
+        eval_new_tokens=16,
+        eval_k_max=8,
+        eval_ce_tokens=1024,
+        cost_context=64,
+        cost_repeats=5,
+        threads=1,  # tiny matrices gain nothing from a second thread, and lose a lot on a busy machine
+    ),
+}
+
+
+def settings_hash(settings: Settings, corpus_fingerprint: str) -> str:
+    payload = {
+        "settings": dataclasses.asdict(settings),
+        "recipe_version": RECIPE_VERSION,
+        "corpus": corpus_fingerprint,
+        "versions": library_versions(),
+    }
+    payload["settings"].pop("notes", None)
+    for key in ("target_train", "draft_train"):  # a safety cap, not a recipe setting
+        payload["settings"][key].pop("max_seconds", None)
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def library_versions() -> dict:
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def is_complete(out_dir: str) -> bool:
+    need = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    return all(os.path.isfile(os.path.join(out_dir, sub, f)) for sub in ("target", "draft") for f in need)
+
+
+def save_model(model, out_dir: str) -> None:
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.dtype = "float32"
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
+    )
+    model.float().save_pretrained(out_dir)
+
+
+def load_saved(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def build(variant: str, out_dir: str, force: bool = False, time_caps: bool = True, log=print) -> tuple[dict, bool]:
+    """Build (or reuse) the pair in ``out_dir``. Returns (report, cached): ``cached`` is True
+    when an existing build with the same settings hash was returned without retraining.
+    ``time_caps=False`` lifts the safety caps on training time (full schedule, however slow)."""
+    settings = VARIANTS[variant]
+    if not time_caps:
+        settings = dataclasses.replace(
+            settings,
+            target_train=dataclasses.replace(settings.target_train, max_seconds=0.0),
+            draft_train=dataclasses.replace(settings.draft_train, max_seconds=0.0),
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        return _build(settings, out_dir, force, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(settings: Settings, out_dir: str, force: bool, log) -> tuple[dict, bool]:
+    variant = settings.variant
+    t_start = time.perf_counter()
+    corpus = load_corpus(settings.max_file_bytes, settings.max_total_bytes, settings.heldout_percent)
+    digest = settings_hash(settings, corpus.fingerprint)
+    report_path = os.path.join(out_dir, "report.json")
+    if not force and os.path.isfile(report_path) and is_complete(out_dir):
+        old = load_report(report_path)
+        if old.get("settings_hash") == digest:
+            log(f"cached: {out_dir} was built with the same settings ({digest}); nothing to do")
+            if any(old[m]["training"]["stopped_by_time_cap"] for m in ("target", "draft")):
+                log("warning: that build stopped training at a time cap; --force rebuilds it")
+            return old, True
+    if os.path.isfile(report_path):
+        os.remove(report_path)  # the report marks a complete build: drop it while rebuilding
+    os.makedirs(out_dir, exist_ok=True)
+    log(f"building the {variant} pair into {out_dir} (settings {digest})")
+
+    # Tokenizer, then the corpus as token streams.
+    t0 = time.perf_counter()
+    tok = train_tokenizer([f.text for f in corpus.train], settings.vocab_size)
+    tok_dir = os.path.join(out_dir, "target")
+    os.makedirs(tok_dir, exist_ok=True)
+    train_stream = torch.tensor([i for d in encode_documents(tok, [f.text for f in corpus.train]) for i in d])
+    heldout_stream = torch.tensor([i for d in encode_documents(tok, [f.text for f in corpus.heldout]) for i in d])
+    tok_seconds = time.perf_counter() - t0
+    log(
+        f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out files, "
+        f"{train_stream.numel()} / {heldout_stream.numel()} tokens"
+    )
+
+    # Target: trained on the corpus. The trained target is kept as a stage until the build is
+    # complete, so an interrupted build resumes after the longest step instead of redoing it.
+    stage_dir = os.path.join(out_dir, ".stage-target")
+    stage_marker = os.path.join(stage_dir, "stage.json")
+    if os.path.isfile(stage_marker) and load_report(stage_marker).get("settings_hash") == digest:
+        log(f"resuming: reusing the trained target in {stage_dir}")
+        target = load_saved(stage_dir)
+        target_info = load_report(stage_marker)["training"]
+    else:
+        target = train.make_model(settings.target_shape, tok.get_vocab_size(), settings.max_positions, settings.seed)
+        target_info = train.train_target(target, train_stream, settings.target_train, settings.seed + 1)
+        save_model(target, stage_dir)
+        save_report(stage_marker, {"settings_hash": digest, "training": target_info})
+
+    # Draft: distilled from the target on its own greedy continuations of corpus prompts.
+    data, data_info = train.build_distill_set(
+        target,
+        train_stream,
+        settings.distill_seqs,
+        settings.distill_seq_len,
+        settings.distill_prompt_lens,
+        settings.distill_gen_batch,
+        settings.distill_top_k,
+        settings.seed + 2,
+    )
+    draft = train.make_model(settings.draft_shape, tok.get_vocab_size(), settings.max_positions, settings.seed + 3)
+    draft_info = train.distill_draft(draft, data, settings.draft_train, settings.seed + 4, settings.soft_weight)
+    del data
+
+    # Save both in Hugging Face format with byte-identical tokenizer files.
+    save_model(target, os.path.join(out_dir, "target"))
+    save_model(draft, os.path.join(out_dir, "draft"))
+    save_tokenizer(tok, os.path.join(out_dir, "target"), settings.max_positions)
+    copy_tokenizer(os.path.join(out_dir, "target"), os.path.join(out_dir, "draft"))
+    train_seconds = time.perf_counter() - t_start
+    del target, draft
+
+    # Measure what was saved, loaded back through transformers.
+    log("measuring the saved pair")
+    t0 = time.perf_counter()
+    target = load_saved(os.path.join(out_dir, "target"))
+    draft = load_saved(os.path.join(out_dir, "draft"))
+    ce_len = min(256, settings.max_positions)
+    t_ce = evaluate.heldout_cross_entropy(target, heldout_stream, ce_len, settings.eval_ce_tokens)
+    d_ce = evaluate.heldout_cross_entropy(draft, heldout_stream, ce_len, settings.eval_ce_tokens)
+    acceptance = evaluate.acceptance_table(
+        target,
+        draft,
+        heldout_stream,
+        settings.eval_prompts,
+        settings.eval_prompt_len,
+        settings.eval_new_tokens,
+        settings.eval_k_max,
+        settings.seed + 5,
+    )
+    cost = evaluate.decode_cost_ms(target, draft, heldout_stream[: settings.cost_context], settings.cost_repeats)
+    eval_seconds = time.perf_counter() - t0
+
+    report = {
+        "settings_hash": digest,
+        "variant": variant,
+        "settings": dataclasses.asdict(settings),
+        "versions": library_versions(),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "corpus": {**corpus.stats(), "fingerprint": corpus.fingerprint},
+        "tokenizer": {
+            "vocab_size": tok.get_vocab_size(),
+            "train_tokens": train_stream.numel(),
+            "heldout_tokens": heldout_stream.numel(),
+        },
+        "target": {"params": train.num_params(target), "training": target_info, "heldout_ce_nats": round(t_ce, 4)},
+        "draft": {
+            "params": train.num_params(draft),
+            "distill_data": data_info,
+            "training": draft_info,
+            "heldout_ce_nats": round(d_ce, 4),
+        },
+        "acceptance": acceptance,
+        "cost": cost,
+        "seconds": {
+            "tokenizer_and_corpus": round(tok_seconds, 1),
+            "build_until_saved": round(train_seconds, 1),
+            "evaluation": round(eval_seconds, 1),
+            "total": round(time.perf_counter() - t_start, 1),
+        },
+    }
+    save_report(report_path, report)
+    shutil.rmtree(stage_dir, ignore_errors=True)
+    log(format_report(report))
+    return load_report(report_path), False  # the JSON form, as a cached build returns it

@@ -1,0 +1,65 @@
+"""The build report: saved as OUT/report.json and printed as a short readable summary."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def save_report(path: str, report: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=2, sort_keys=False, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)  # atomic: a report on disk always belongs to a complete build
+
+
+def load_report(path: str) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def format_report(r: dict) -> str:
+    s = r["settings"]
+    t, d, acc, cost = r["target"], r["draft"], r["acceptance"], r["cost"]
+    ts, ds = s["target_shape"], s["draft_shape"]
+
+    def shape(x: dict) -> str:
+        heads = f"heads {x['heads']}/{x['kv_heads']} kv"
+        return f"{x['layers']} layers, hidden {x['hidden']}, mlp {x['intermediate']}, {heads}"
+
+    def training(x: dict) -> str:
+        capped = " (STOPPED BY TIME CAP)" if x["stopped_by_time_cap"] else ""
+        return (
+            f"{x['steps']}/{x['steps_planned']} steps, {x['tokens_seen']:,} tokens, {x['seconds']:.0f} s, "
+            f"final train loss {x['final_train_loss']:.3f}{capped}"
+        )
+
+    lines = [
+        f"demo pair '{r['variant']}'  settings {r['settings_hash']}  "
+        f"torch {r['versions']['torch']}, transformers {r['versions']['transformers']}",
+        f"corpus   : {r['corpus']['train_files']} train / {r['corpus']['heldout_files']} held-out stdlib files; "
+        f"tokens {r['tokenizer']['train_tokens']:,} / {r['tokenizer']['heldout_tokens']:,}; "
+        f"byte-level BPE vocab {r['tokenizer']['vocab_size']}",
+        f"target   : {t['params'] / 1e6:.2f}M params ({shape(ts)})",
+        f"           {training(t['training'])}",
+        f"           held-out cross-entropy {t['heldout_ce_nats']:.3f} nats/token",
+        f"draft    : {d['params'] / 1e6:.2f}M params ({shape(ds)})",
+        f"           distilled on {d['distill_data']['sequences']} target-greedy sequences "
+        f"({d['distill_data']['generated_tokens']:,} generated tokens, {d['distill_data']['seconds']:.0f} s)",
+        f"           {training(d['training'])}",
+        f"           held-out cross-entropy {d['heldout_ce_nats']:.3f} nats/token",
+        f"acceptance (greedy, {acc['prompts']} held-out prompts of {acc['prompt_len']} tokens, "
+        f"{acc['generated_per_prompt']} target tokens each; top-1 agreement {acc['draft_top1_agreement']:.3f}):",
+        "    k  acceptance  emitted/step",
+    ]
+    for row in acc["per_k"]:
+        lines.append(f"   {row['k']:2d}  {row['acceptance_rate']:10.3f}  {row['mean_emitted_per_step']:12.3f}")
+    lines += [
+        f"cost     : decode 1 token after {cost['context_tokens']} cached, batch 1, median of {cost['repeats']}: "
+        f"target {cost['target_ms']:.2f} ms, draft {cost['draft_ms']:.2f} ms "
+        f"-> ratio {cost['ratio_target_over_draft']:.1f}x",
+        f"time     : {r['seconds']['total']:.0f} s total ({r['seconds']['build_until_saved']:.0f} s building, "
+        f"{r['seconds']['evaluation']:.0f} s measuring)",
+    ]
+    return "\n".join(lines)
