@@ -54,9 +54,8 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         try:
             body = model.model_validate(data)
         except ValidationError as err:
-            first = err.errors()[0]
-            loc = ".".join(str(p) for p in first.get("loc", ()))
-            raise _HTTPError(error(400, f"{loc}: {first.get('msg')}", loc or None)) from None
+            loc, msg = _describe(err.errors())
+            raise _HTTPError(error(400, f"{loc}: {msg}", loc or None)) from None
         if body.model != model_name:
             raise _HTTPError(error(404, f"model {body.model!r} not found; this server serves {model_name!r}",
                                    "model", "not_found_error"))
@@ -171,6 +170,24 @@ class _HTTPError(Exception):
         self.response = response
 
 
+def _describe(errors: list[dict]) -> tuple[str, str]:
+    """(field path, message) of the first bad field. A union field (temperature: float | int) fails
+    once per member, each loc tagged with the member ("temperature", "float"): the field is the
+    locs' common prefix, and the message the most specific member's (deepest, then not a mere type
+    mismatch), so an empty prompt list says "at least 1 item", not "a valid string"."""
+    head = errors[0].get("loc", ())[:1]
+    same = [e for e in errors if e.get("loc", ())[:1] == head]
+    path = list(same[0].get("loc", ()))
+    for e in same[1:]:
+        loc = e.get("loc", ())
+        n = 0
+        while n < min(len(path), len(loc)) and path[n] == loc[n]:
+            n += 1
+        path = path[:n]
+    best = min(same, key=lambda e: (-len(e.get("loc", ())), str(e.get("type", "")).endswith("_type")))
+    return ".".join(str(p) for p in path), str(best.get("msg"))
+
+
 def _error_body(err: Exception) -> dict:
     kind = "unavailable" if isinstance(err, ServiceUnavailable) else "server_error"
     return {"error": {"message": str(err), "type": kind, "param": None, "code": None}}
@@ -198,7 +215,7 @@ class _CompletionFormat:
         lps = [lp for d in deltas for lp in (d.logprobs or [])]
         dec = self.engine.tokenizer.decode
         return {"tokens": [dec([lp.token_id]) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{dec([t]): v for t, v in lp.top} for lp in lps]}
+                "top_logprobs": [_top_by_text(lp.top, dec) for lp in lps]}
 
     def _base(self, choices: list[dict]) -> dict:
         return {"id": self.req.request_id, "object": "text_completion", "created": self.created,
@@ -244,6 +261,15 @@ class _ChatFormat(_CompletionFormat):
         message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
         choice = {"index": 0, "message": message, "finish_reason": _finish(last), "logprobs": self._logprobs(deltas)}
         return {**self._base([self._with_ids(choice, deltas)]), "usage": _usage(last)}
+
+
+def _top_by_text(top: list[tuple[int, float]], dec) -> dict[str, float]:  # noqa: ANN001
+    """OpenAI's completions top_logprobs are keyed by token text; when two alternatives decode alike
+    (byte tokens of a partial UTF-8 character), the more likely one keeps the key."""
+    out: dict[str, float] = {}
+    for t, v in top:  # best first
+        out.setdefault(dec([t]), v)
+    return out
 
 
 def _usage(last: Delta) -> dict:

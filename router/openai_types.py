@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from router.core import GenerationRequest, RequestError, SamplingOptions
+from router.engine import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 8
 
@@ -103,5 +104,7 @@ class ChatBody(_Common):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise RequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._request(request_id, prompt_ids, default_max_tokens, logprobs)

@@ -1,0 +1,664 @@
+"""The router's public doors, driven by real clients over loopback against real target and draft
+services: HTTP (OpenAI-compatible completions and chat, SSE, models, health, readiness, metrics),
+the bad-input battery (each a 4xx with an OpenAI-shaped error naming the field), 429 under
+overload, and the public gRPC API (tandem.v1.Generate, health, reflection).
+Reference for every greedy output and logprob: transformers on the target checkpoint."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import re
+import shutil
+import threading
+
+import grpc
+import httpx
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from transformers import AutoTokenizer
+
+from router.chat import ChatFormatter
+from router.config import RouterConfig
+from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from tests.conftest import hf_greedy, hf_logits
+from tests.stack import start_draft, start_router, start_target, wait_until
+
+MAX_MODEL_LEN = 512  # model_pair's max_position_embeddings
+TEXT_PROMPT = "def fill(text, width=70, **kwargs):\n    "
+IDS_PROMPT = [(11 * j) % 300 + 2 for j in range(23)]
+
+
+@pytest.fixture(scope="module")
+def stack(model_pair):
+    target_dir, draft_dir = model_pair
+    target, trunner = start_target(target_dir)
+    draft, drunner = start_draft(draft_dir)
+    parts = {"target": target, "draft": draft}
+    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=8, draft_timeout_s=2.0,
+                                       target_grace_s=2.0), target.address, draft.address, target_dir)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    yield {"router": router, "target": trunner, "draft": drunner, "parts": parts, "dirs": model_pair, "tok": tok}
+    router.stop()
+    for p in parts.values():
+        if p.thread.is_alive():
+            p.stop()
+
+
+def encode(tok, text: str) -> list[int]:  # noqa: ANN001
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def dec(tok, ids: list[int]) -> str:  # noqa: ANN001
+    """Text as the router shows it: special tokens (<s>, </s>) are skipped."""
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def post(url: str, path: str, **body) -> httpx.Response:  # noqa: ANN003
+    body = {"model": "tiny", "temperature": 0, "ignore_eos": True, "return_token_ids": True, **body}
+    return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+
+def sse(url: str, path: str, **body) -> list[dict]:  # noqa: ANN003
+    """The JSON events of one streamed request; asserts the SSE framing and the final [DONE]."""
+    body = {"model": "tiny", "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True, **body}
+    lines = []
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    assert all(line.startswith("data: {") for line in lines[:-1]), lines
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def ref_logprobs(model_dir, prompt: list[int], out: list[int],  # noqa: ANN001
+                 n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen logprobs, top-n ids, top-n logprobs) of transformers' raw distribution at each output position."""
+    logits = hf_logits(model_dir, prompt + out[:-1])[len(prompt) - 1:]
+    lp = torch.log_softmax(logits.double(), -1)
+    top_lp, top_ids = lp.topk(n, -1)
+    return lp.gather(1, torch.tensor(out)[:, None])[:, 0], top_ids, top_lp
+
+
+def metrics_text(url: str) -> str:
+    r = httpx.get(f"{url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return r.text
+
+
+def sample(text: str, name: str, labels: str = "") -> float | None:
+    """Value of one exposition sample (name{labels} value), None when absent."""
+    pat = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
+    for m in pat.finditer(text):
+        if labels in (m.group(1) or ""):
+            return float(m.group(2))
+    return None
+
+
+def assert_error(r: httpx.Response, status: int, field: str | None = None, param: str | None = None,
+                 kind: str = "invalid_request_error") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert {"message", "type", "param", "code"} <= set(err), err
+    assert err["type"] == kind, err
+    assert isinstance(err["message"], str) and err["message"], err
+    if field is not None:
+        assert field in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# ---- HTTP: completions ---------------------------------------------------------------------------
+def test_completion_text_prompt_greedy_matches_transformers(stack):
+    router, tok, target_dir = stack["router"], stack["tok"], stack["dirs"][0]
+    ids = encode(tok, TEXT_PROMPT)
+    r = post(router.url, "/v1/completions", prompt=TEXT_PROMPT, max_tokens=30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["model"] == "tiny" and out["id"].startswith("cmpl-")
+    choice = out["choices"][0]
+    want = hf_greedy(target_dir, ids, 30)
+    assert choice["token_ids"] == want
+    assert choice["text"] == dec(tok, want)
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 30, "total_tokens": len(ids) + 30}
+
+
+def test_completion_streaming_equals_greedy_and_reports_usage(stack):
+    router, target_dir = stack["router"], stack["dirs"][0]
+    events = sse(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=25,
+                 stream_options={"include_usage": True})
+    *chunks, usage = events
+    assert len(chunks) >= 2, "a 25-token completion must stream in more than one chunk"
+    assert all(e["object"] == "text_completion" for e in events)
+    assert len({e["id"] for e in events}) == 1
+    ids = [t for e in chunks for t in e["choices"][0]["token_ids"]]
+    assert ids == hf_greedy(target_dir, IDS_PROMPT, 25)
+    assert [e["choices"][0]["finish_reason"] for e in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert "".join(e["choices"][0]["text"] for e in chunks) == dec(stack["tok"], ids)
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": len(IDS_PROMPT), "completion_tokens": 25,
+                              "total_tokens": len(IDS_PROMPT) + 25}
+    # without include_usage there is no usage event
+    plain = sse(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=5)
+    assert all("usage" not in e for e in plain) and plain[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_eos_finishes_with_stop_unless_ignored(stack):
+    router, target_dir = stack["router"], stack["dirs"][0]
+    want = hf_greedy(target_dir, IDS_PROMPT, 25)
+    assert 1 in want, "this prompt's greedy continuation reaches EOS (id 1)"
+    for stream in (False, True):
+        body = {"prompt": IDS_PROMPT, "max_tokens": 25, "ignore_eos": False}
+        if stream:
+            chunks = sse(router.url, "/v1/completions", **body)
+            ids = [t for e in chunks for t in e["choices"][0]["token_ids"]]
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            r = post(router.url, "/v1/completions", **body)
+            assert r.status_code == 200, r.text
+            ids, finish = r.json()["choices"][0]["token_ids"], r.json()["choices"][0]["finish_reason"]
+            assert r.json()["usage"]["completion_tokens"] == len(ids)
+        assert ids == want[:want.index(1)] and finish == "stop"
+
+
+def _stop_case(tok, target_dir) -> tuple[list[int], list[int], str, str]:  # noqa: ANN001
+    """A greedy continuation and a stop string that really occurs in its text (not at the start)."""
+    want = hf_greedy(target_dir, IDS_PROMPT, 40)
+    text = dec(tok, want)
+    for i in range(4, len(text) - 3):
+        stop = text[i:i + 2]
+        if stop.isascii() and stop.strip() == stop and stop.isprintable() and text.find(stop) == i:
+            return want, text, stop, text[:i]
+    pytest.fail(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_string_cuts_text_before_it(stack, stream):
+    router, tok, target_dir = stack["router"], stack["tok"], stack["dirs"][0]
+    want, _, stop, expected = _stop_case(tok, target_dir)
+    body = {"prompt": IDS_PROMPT, "max_tokens": 40, "stop": [stop, "\x00never"]}
+    if stream:
+        chunks = [e for e in sse(router.url, "/v1/completions", **body) if e["choices"]]
+        text = "".join(e["choices"][0]["text"] for e in chunks)
+        ids = [t for e in chunks for t in e["choices"][0]["token_ids"]]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        r = post(router.url, "/v1/completions", **body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text, ids, finish = choice["text"], choice["token_ids"], choice["finish_reason"]
+        assert r.json()["usage"]["completion_tokens"] == len(ids)
+    assert text == expected and stop not in text
+    assert finish == "stop"
+    # generation ran exactly up to the token that completed the stop string
+    assert ids == want[:len(ids)] and len(ids) < 40
+    assert stop in dec(tok, ids) and stop not in dec(tok, ids[:-1])
+
+
+def test_completion_logprobs_match_transformers(stack):
+    router, tok, target_dir = stack["router"], stack["tok"], stack["dirs"][0]
+    r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=12, logprobs=2)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids, lp = choice["token_ids"], choice["logprobs"]
+    assert ids == hf_greedy(target_dir, IDS_PROMPT, 12)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
+    assert lp["tokens"] == [dec(tok, [t]) for t in ids]
+    chosen, top_ids, top_lp = ref_logprobs(target_dir, IDS_PROMPT, ids, 2)
+    assert torch.allclose(torch.tensor(lp["token_logprobs"], dtype=torch.double), chosen, atol=1e-3)
+    for i, top in enumerate(lp["top_logprobs"]):
+        # keyed by token text: two alternatives that decode alike collapse into one key
+        assert set(top) == {dec(tok, [t]) for t in top_ids[i].tolist()}
+        assert max(top.values()) == pytest.approx(top_lp[i, 0].item(), abs=1e-3)
+        assert top[lp["tokens"][i]] == pytest.approx(lp["token_logprobs"][i], abs=1e-3)  # greedy: chosen is top-1
+    # streamed: every chunk carries the logprobs of its own tokens
+    chunks = sse(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=12, logprobs=2)
+    for e in chunks:
+        c = e["choices"][0]
+        assert len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
+    streamed = [v for e in chunks for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-5)
+
+
+def test_final_text_has_every_token(stack, channel):
+    """The text of a finished request is the decode of all its tokens, at every door, including the
+    tokens of the step that finished it (by max_tokens, or by EOS)."""
+    router, tok = stack["router"], stack["tok"]
+    texts = {}
+    r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=20)
+    texts["completion"] = (r.json()["choices"][0]["text"], r.json()["choices"][0]["token_ids"])
+    chunks = sse(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=20)
+    texts["completion-sse"] = ("".join(e["choices"][0]["text"] for e in chunks),
+                               [t for e in chunks for t in e["choices"][0]["token_ids"]])
+    r = post(router.url, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=20)
+    texts["chat"] = (r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["token_ids"])
+    one = generate_pb2_grpc.GenerateStub(channel).GenerateUnary(generate_pb2.GenerateRequest(
+        prompt_token_ids=IDS_PROMPT, max_tokens=20, ignore_eos=True), timeout=60)
+    texts["grpc"] = (one.text, list(one.token_ids))
+    r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=25, ignore_eos=False)  # ends at EOS
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    texts["completion-eos"] = (r.json()["choices"][0]["text"], r.json()["choices"][0]["token_ids"])
+    wrong = {door: (text, dec(tok, ids)) for door, (text, ids) in texts.items() if text != dec(tok, ids)}
+    assert not wrong, wrong
+
+
+# ---- HTTP: chat --------------------------------------------------------------------------------
+def test_chat_fallback_template_greedy_usage_and_logprobs(stack):
+    router, tok, target_dir = stack["router"], stack["tok"], stack["dirs"][0]
+    prompt = encode(tok, "user: Wrap this text.\nassistant:")
+    r = post(router.url, "/v1/chat/completions", messages=[{"role": "user", "content": "Wrap this text."}],
+             max_tokens=10, logprobs=True, top_logprobs=2)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    choice = out["choices"][0]
+    want = hf_greedy(target_dir, prompt, 10)
+    assert choice["token_ids"] == want
+    assert choice["message"] == {"role": "assistant", "content": dec(tok, want)}
+    assert choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 10, "total_tokens": len(prompt) + 10}
+    content = choice["logprobs"]["content"]
+    assert len(content) == 10
+    chosen, top_ids, top_lp = ref_logprobs(target_dir, prompt, want, 2)
+    for i, entry in enumerate(content):
+        assert entry["token"] == dec(tok, [want[i]])
+        assert entry["logprob"] == pytest.approx(chosen[i].item(), abs=1e-3)
+        assert [t["token"] for t in entry["top_logprobs"]] == [dec(tok, [t]) for t in top_ids[i].tolist()]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(top_lp[i].tolist(), abs=1e-3)
+    # content parts are joined; max_completion_tokens is honoured
+    r = post(router.url, "/v1/chat/completions", max_completion_tokens=10,
+             messages=[{"role": "user", "content": [{"type": "text", "text": "Wrap "},
+                                                    {"type": "text", "text": "this text."}]}])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_streaming(stack):
+    router, tok, target_dir = stack["router"], stack["tok"], stack["dirs"][0]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompt = encode(tok, "system: Be brief.\nuser: Hi\nassistant:")
+    *chunks, usage = sse(router.url, "/v1/chat/completions", messages=msgs, max_tokens=15,
+                         stream_options={"include_usage": True})
+    assert all(e["object"] == "chat.completion.chunk" for e in chunks + [usage])
+    assert all(e["choices"][0]["delta"]["role"] == "assistant" for e in chunks)
+    ids = [t for e in chunks for t in e["choices"][0]["token_ids"]]
+    assert ids == hf_greedy(target_dir, prompt, 15)
+    assert "".join(e["choices"][0]["delta"]["content"] for e in chunks) == dec(tok, ids)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 15,
+                              "total_tokens": len(prompt) + 15}
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+                 "{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}"
+                 "<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_formatter_renders_template_like_transformers(tmp_path, model_pair):
+    target_dir = model_pair[0]
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_dir / f, tmp_path / f)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert "chat_template" not in cfg, "model_pair is expected to have no chat template"
+    msgs = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Wrap it")]
+    assert ChatFormatter(cfg).render(msgs) == "".join(f"{r}: {c}\n" for r, c in msgs) + "assistant:"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    as_dicts = [{"role": r, "content": c} for r, c in msgs]
+    rendered = ChatFormatter(cfg).render(msgs)
+    assert rendered == hf.apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<s><system>Be brief.</s>\n") and rendered.endswith("<assistant>")
+    # named templates: the default one is used
+    named = {**cfg, "chat_template": [{"name": "tool_use", "template": "nope"},
+                                      {"name": "default", "template": CHAT_TEMPLATE}]}
+    assert ChatFormatter(named).render(msgs) == rendered
+    with pytest.raises(Exception, match="tool messages"):
+        ChatFormatter(cfg).render([("tool", "x")])
+
+
+def test_chat_with_template_router(stack, tmp_path):
+    """A router whose tokenizer_config carries a Jinja chat template tokenizes what transformers'
+    apply_chat_template produces (special tokens included) and generates its greedy continuation."""
+    target_dir, tok_dir = stack["dirs"][0], tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copy(target_dir / "tokenizer.json", tok_dir / "tokenizer.json")
+    cfg = json.loads((target_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Wrap this text."}]
+    prompt = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+    if isinstance(prompt, dict):
+        prompt = prompt["input_ids"]
+    assert prompt[0] == 0 and 1 in prompt  # <s> and </s> became their special ids
+    router = start_router(RouterConfig(), stack["parts"]["target"].address, None, tok_dir)
+    try:
+        r = post(router.url, "/v1/chat/completions", messages=msgs, max_tokens=8)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["usage"]["prompt_tokens"] == len(prompt)
+        assert out["choices"][0]["token_ids"] == hf_greedy(target_dir, prompt, 8)
+        # the template's raise_exception becomes a 400 naming messages
+        r = post(router.url, "/v1/chat/completions", messages=[{"role": "tool", "content": "x"}], max_tokens=2)
+        assert_error(r, 400, "tool messages are not supported", "messages")
+    finally:
+        router.stop()
+
+
+# ---- HTTP: models, health, readiness, metrics ----------------------------------------------------
+def test_models_health_ready(stack):
+    url = stack["router"].url
+    r = httpx.get(f"{url}/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["tiny"]
+    assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{url}/health").status_code == 200
+    r = httpx.get(f"{url}/ready")
+    assert r.status_code == 200 and r.json()["status"] == "ready" and r.json()["draft_available"] is True
+    assert r.json()["target"] == stack["parts"]["target"].address
+
+
+DOCUMENTED = ["tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
+              "tandem:spec_decode_num_drafts", "tandem:spec_decode_num_draft_tokens",
+              "tandem:spec_decode_num_accepted_tokens", "tandem:spec_decode_num_accepted_tokens_per_pos",
+              "tandem:pipeline_hits", "tandem:draft_fallbacks", "tandem:kv_cache_usage_perc",
+              "tandem:num_requests_waiting", "tandem:num_requests_running", "tandem:step_time_seconds"]
+
+
+def test_metrics_expose_documented_names_with_consistent_values(stack):
+    url = stack["router"].url
+    post(url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=20)  # at least one speculative request
+    # the gauges are refreshed by the loop once it is idle again
+    assert wait_until(lambda: sample(metrics_text(url), "tandem:num_requests_running") == 0, 10)
+    text = metrics_text(url)
+    for name in DOCUMENTED:
+        # counters carry Prometheus' _total suffix in the exposition, as vLLM's do
+        assert re.search(rf"^# TYPE {re.escape(name)}(_total counter| gauge| histogram)$", text, re.M), name
+    assert sample(text, "tandem:num_requests_waiting") == 0
+    ttft = sample(text, "tandem:time_to_first_token_seconds_count")
+    assert ttft is not None and ttft >= 5, "every finished request observed a TTFT"
+    assert sample(text, "tandem:inter_token_latency_seconds_count") > 0
+    drafts = sample(text, "tandem:spec_decode_num_drafts_total")
+    draft_tokens = sample(text, "tandem:spec_decode_num_draft_tokens_total")
+    accepted = sample(text, "tandem:spec_decode_num_accepted_tokens_total")
+    assert 0 < drafts <= draft_tokens and 0 <= accepted <= draft_tokens
+    per_pos = [float(v) for v in re.findall(
+        r'^tandem:spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} (\S+)$', text, re.M)]
+    assert sum(per_pos) == accepted
+    assert sample(text, "tandem:pipeline_hits_total") <= sample(text, "tandem:pipeline_lookups_total")
+    for service in ("target", "draft"):
+        assert sample(text, "tandem:kv_cache_usage_perc", f'service="{service}"') == 0  # idle: nothing reserved
+    for part in ("target", "draft", "router"):
+        assert sample(text, "tandem:step_time_seconds_count", f'part="{part}"') > 0, part
+
+
+# ---- HTTP: bad input -----------------------------------------------------------------------------
+TOO_LONG = [(5 * j) % 300 + 2 for j in range(MAX_MODEL_LEN + 10)]
+OK = {"model": "tiny", "prompt": IDS_PROMPT, "max_tokens": 3}
+CHAT_OK = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def _without(body: dict, key: str) -> dict:
+    return {k: v for k, v in body.items() if k != key}
+
+
+# (path, body: dict or raw bytes, status, text the message names, param, error type)
+BAD = {
+    "malformed-json": ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2', 400, "JSON", None, None),
+    "json-array": ("/v1/completions", b'[{"model": "tiny", "prompt": "hi"}]', 400, "object", None, None),
+    "invalid-utf8": ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe\xfd"}', 400, "UTF-8", None, None),
+    "max_tokens-string": ("/v1/completions", {**OK, "max_tokens": "ten"}, 400, "max_tokens", "max_tokens", None),
+    "temperature-string": ("/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature", "temperature",
+                           None),
+    "stop-int": ("/v1/completions", {**OK, "stop": 5}, 400, "stop", "stop", None),
+    "stop-empty": ("/v1/completions", {**OK, "stop": [""]}, 400, "stop", "stop", None),
+    "missing-model": ("/v1/completions", _without(OK, "model"), 400, "model", "model", None),
+    "missing-prompt": ("/v1/completions", _without(OK, "prompt"), 400, "prompt", "prompt", None),
+    "missing-messages": ("/v1/chat/completions", _without(CHAT_OK, "messages"), 400, "messages", "messages", None),
+    "empty-messages": ("/v1/chat/completions", {**CHAT_OK, "messages": []}, 400, "messages", "messages", None),
+    "bad-role": ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+                 "role", "messages.0.role", None),
+    "empty-prompt": ("/v1/completions", {**OK, "prompt": ""}, 400, "prompt", "prompt", None),
+    "empty-prompt-ids": ("/v1/completions", {**OK, "prompt": []}, 400, "prompt", "prompt", None),
+    "prompt-too-long": ("/v1/completions", {**OK, "prompt": TOO_LONG}, 400, "max_model_len", "prompt", None),
+    "max_tokens-0": ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens", "max_tokens", None),
+    "max_tokens-huge": ("/v1/completions", {**OK, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens", "max_tokens",
+                        None),
+    "max_tokens-enormous": ("/v1/completions", {**OK, "max_tokens": 2**70}, 400, "max_tokens", "max_tokens", None),
+    "temperature-negative": ("/v1/completions", {**OK, "temperature": -0.5}, 400, "temperature", "temperature",
+                             None),
+    "top_p-1.5": ("/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p", "top_p", None),
+    "top_k-negative": ("/v1/completions", {**OK, "top_k": -1}, 400, "top_k", "top_k", None),
+    "logprobs-99": ("/v1/completions", {**OK, "logprobs": 99}, 400, "logprobs", "logprobs", None),
+    "chat-top_logprobs-99": ("/v1/chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 99}, 400,
+                             "top_logprobs", "top_logprobs", None),
+    "chat-top_logprobs-without-logprobs": ("/v1/chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400,
+                                           "top_logprobs", "top_logprobs", None),
+    "n-2": ("/v1/completions", {**OK, "n": 2}, 400, "n", "n", None),
+    "chat-n-2": ("/v1/chat/completions", {**CHAT_OK, "n": 2}, 400, "n", "n", None),
+    "unknown-model": ("/v1/completions", {**OK, "model": "gpt-9"}, 404, "gpt-9", "model", "not_found_error"),
+    "token-id-beyond-vocab": ("/v1/completions", {**OK, "prompt": [5, 6, 10**6]}, 400, "prompt", "prompt", None),
+    "token-id-negative": ("/v1/completions", {**OK, "prompt": [5, -1]}, 400, "prompt", "prompt", None),
+    "seed-negative": ("/v1/completions", {**OK, "seed": -1}, 400, "seed", "seed", None),
+    "echo": ("/v1/completions", {**OK, "echo": True}, 400, "echo", "echo", None),
+}
+
+
+@pytest.fixture(scope="module")
+def sanity(stack):
+    """One short greedy request and its reference: run after each bad request."""
+    want = hf_greedy(stack["dirs"][0], IDS_PROMPT, 3)
+
+    def check() -> None:
+        r = post(stack["router"].url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=3)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+
+    return check
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_gets_4xx_naming_the_field(stack, sanity, case):
+    path, body, status, names, param, kind = BAD[case]
+    url = stack["router"].url + path
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(url, json=body, timeout=30)
+    assert_error(r, status, names, param, kind or "invalid_request_error")
+    if isinstance(body, dict):
+        # the same input streamed is refused the same way, before any event is sent
+        r2 = httpx.post(url, json={**body, "stream": True}, timeout=30)
+        assert r2.status_code == status and r2.headers["content-type"].startswith("application/json"), r2.text
+    sanity()
+
+
+def test_oversized_body_is_413(stack, sanity):
+    url = stack["router"].url + "/v1/completions"
+    big = json.dumps({**OK, "prompt": "a" * (4 * 2**20 + 1)}).encode()
+    r = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=30)
+    assert_error(r, 413)
+
+    def chunks():  # no content-length: the size is found while reading
+        for i in range(0, len(big), 2**16):
+            yield big[i:i + 2**16]
+
+    r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    assert_error(r, 413)
+    sanity()
+
+
+def test_overload_gets_429_and_the_rest_succeed(stack):
+    """max_num_seqs=1, max_waiting=1: of simultaneous long requests one runs, one waits, the rest
+    are refused with 429 (HTTP) or RESOURCE_EXHAUSTED (gRPC); every admitted one is exact."""
+    target_dir = stack["dirs"][0]
+    router = start_router(RouterConfig(max_num_seqs=1, max_waiting=1), stack["parts"]["target"].address, None,
+                          target_dir)
+    want = hf_greedy(target_dir, IDS_PROMPT, 60)
+    barrier = threading.Barrier(6)
+
+    def http_call(_: int) -> tuple[str, object]:
+        barrier.wait()
+        r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=60)
+        return "http", r
+
+    def grpc_call(_: int) -> tuple[str, object]:
+        with grpc.insecure_channel(router.grpc_address) as ch:
+            stub = generate_pb2_grpc.GenerateStub(ch)
+            barrier.wait()
+            try:
+                return "grpc", stub.GenerateUnary(generate_pb2.GenerateRequest(
+                    prompt_token_ids=IDS_PROMPT, max_tokens=60, ignore_eos=True), timeout=60)
+            except grpc.RpcError as err:
+                return "grpc", err
+
+    try:
+        with cf.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda i: (http_call if i < 4 else grpc_call)(i), range(6)))
+        ok = refused = 0
+        for kind, res in results:
+            if kind == "http":
+                if res.status_code == 429:
+                    assert_error(res, 429, "waiting", kind="rate_limit_error")
+                    refused += 1
+                else:
+                    assert res.status_code == 200, res.text
+                    assert res.json()["choices"][0]["token_ids"] == want
+                    ok += 1
+            elif isinstance(res, grpc.RpcError):
+                assert res.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, res
+                refused += 1
+            else:
+                assert list(res.token_ids) == want and res.finish_reason == "length"
+                ok += 1
+        assert ok >= 1 and refused >= 1, (ok, refused)
+        # once the queue drains, the same router serves again
+        r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+    finally:
+        router.stop()
+
+
+# ---- gRPC ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def channel(stack):
+    ch = grpc.insecure_channel(stack["router"].grpc_address)
+    yield ch
+    ch.close()
+
+
+def test_grpc_generate_streaming_and_unary_match_transformers(stack, channel):
+    stub, target_dir = generate_pb2_grpc.GenerateStub(channel), stack["dirs"][0]
+    want = hf_greedy(target_dir, IDS_PROMPT, 20)
+    req = generate_pb2.GenerateRequest(request_id="g-1", prompt_token_ids=IDS_PROMPT, max_tokens=20,
+                                       ignore_eos=True)
+    msgs = list(stub.Generate(req, timeout=60))
+    assert len(msgs) >= 2
+    assert [t for m in msgs for t in m.token_ids] == want
+    assert "".join(m.text for m in msgs) == dec(stack["tok"], want)
+    assert all(m.request_id == "g-1" for m in msgs)
+    assert [m.finish_reason for m in msgs] == [""] * (len(msgs) - 1) + ["length"]
+    assert msgs[-1].prompt_tokens == len(IDS_PROMPT) and msgs[-1].completion_tokens == 20
+    one = stub.GenerateUnary(req, timeout=60)
+    assert list(one.token_ids) == want and one.finish_reason == "length"
+    assert one.text == dec(stack["tok"], want)
+    assert one.prompt_tokens == len(IDS_PROMPT) and one.completion_tokens == 20
+    # text prompt, logprobs, stop string
+    ids = encode(stack["tok"], TEXT_PROMPT)
+    one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt=TEXT_PROMPT, max_tokens=8, ignore_eos=True,
+                                                          logprobs=2, has_logprobs=True), timeout=60)
+    assert list(one.token_ids) == hf_greedy(target_dir, ids, 8) and one.prompt_tokens == len(ids)
+    assert one.request_id.startswith("gen-")
+    chosen, top_ids, _ = ref_logprobs(target_dir, ids, list(one.token_ids), 2)
+    assert [lp.token_id for lp in one.logprobs] == list(one.token_ids)
+    assert [lp.logprob for lp in one.logprobs] == pytest.approx(chosen.tolist(), abs=1e-3)
+    assert [list(lp.top_token_ids) for lp in one.logprobs] == top_ids.tolist()
+    full, _, stop, expected = _stop_case(stack["tok"], target_dir)
+    one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=40, stop=[stop],
+                                                          ignore_eos=True), timeout=60)
+    assert one.text == expected and one.finish_reason == "stop"
+
+
+GRPC_BAD = {
+    "negative-temperature": (dict(prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(temperature=-1.0)),
+                             "temperature"),
+    "prompt-and-ids": (dict(prompt="hi", prompt_token_ids=[5, 6]), "prompt"),
+    "empty-prompt": (dict(), "prompt"),
+    "token-id-beyond-vocab": (dict(prompt_token_ids=[5, 10**6]), "prompt"),
+    "too-long": (dict(prompt_token_ids=[5], max_tokens=MAX_MODEL_LEN), "max_tokens"),
+    "negative-max_tokens": (dict(prompt_token_ids=[5], max_tokens=-3), "max_tokens"),
+    "top_k-negative": (dict(prompt_token_ids=[5], sampling=common_pb2.SamplingParams(top_k=-2)), "top_k"),
+    "logprobs-99": (dict(prompt_token_ids=[5], logprobs=99, has_logprobs=True), "logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRPC_BAD))
+def test_grpc_bad_input_is_invalid_argument(stack, channel, case):
+    stub = generate_pb2_grpc.GenerateStub(channel)
+    fields, names = GRPC_BAD[case]
+    req = generate_pb2.GenerateRequest(**fields)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GenerateUnary(req, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and names in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and names in err.value.details()
+    one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=3,
+                                                          ignore_eos=True), timeout=30)
+    assert list(one.token_ids) == hf_greedy(stack["dirs"][0], IDS_PROMPT, 3)
+
+
+def test_grpc_cancelled_stream_frees_kv_in_both_services(stack, channel):
+    trunner, drunner = stack["target"], stack["draft"]
+    assert wait_until(lambda: trunner.blocks.num_free == trunner.config.num_blocks, 10)
+    aborted = sample(metrics_text(stack["router"].url), "tandem:requests_total", 'finish_reason="abort"') or 0
+    call = generate_pb2_grpc.GenerateStub(channel).Generate(generate_pb2.GenerateRequest(
+        prompt_token_ids=TOO_LONG[:100], max_tokens=400, ignore_eos=True), timeout=60)
+    got = [next(call) for _ in range(3)]
+    assert all(m.token_ids for m in got)
+    assert trunner.blocks.num_free < trunner.config.num_blocks  # the sequence holds KV while it streams
+    if sample(metrics_text(stack["router"].url), "tandem:draft_available") == 1:  # (unless the draft fell back)
+        assert drunner.blocks.num_free < drunner.config.num_blocks
+    call.cancel()
+    assert wait_until(lambda: trunner.blocks.num_free == trunner.config.num_blocks, 15)
+    assert wait_until(lambda: drunner.blocks.num_free == drunner.config.num_blocks, 15)
+    assert wait_until(lambda: sample(metrics_text(stack["router"].url), "tandem:requests_total",
+                                     'finish_reason="abort"') == aborted + 1, 10)
+
+
+def test_grpc_health_and_reflection(stack, channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "tandem.v1.Generate"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                             timeout=10))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"tandem.v1.Generate", "grpc.health.v1.Health"} <= names
+
+
+# ---- last: the target goes away ---------------------------------------------------------------
+def test_target_gone_ready_503_and_requests_fail_cleanly(stack, channel):
+    router = stack["router"]
+    stack["parts"]["target"].stop()
+    # the router notices on its next step; past target_grace_s (2 s) the request fails with 503
+    r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=5)
+    assert_error(r, 503, "unavailable", kind="unavailable")
+    r = httpx.get(f"{router.url}/ready")
+    assert_error(r, 503, kind="unavailable")
+    assert httpx.get(f"{router.url}/health").status_code == 200  # alive, just not ready
+    assert_error(post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=5), 503, kind="unavailable")
+    with pytest.raises(grpc.RpcError) as err:
+        generate_pb2_grpc.GenerateStub(channel).GenerateUnary(
+            generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=3), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
