@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS := tandem/v1/.generated
 
-.PHONY: help install proto lint test clean
+.PHONY: help install proto lint test e2e-test run deploy image clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -34,7 +34,28 @@ lint: $(STUBS)  ## ruff over the project
 	$(VENV)/bin/ruff check .
 
 test: $(STUBS)  ## unit and integration tests (installs what it needs first)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --ignore=tests/e2e
+
+E2E_MODELS ?= models/tiny
+e2e-test: $(STUBS)  ## the whole stack as 3 processes, driven through its public doors (K8S=1: a cluster)
+ifeq ($(K8S),1)
+	TANDEM_E2E_K8S=1 $(VENV)/bin/pytest tests/e2e
+else
+	$(MAKE) --no-print-directory models-tiny
+	TANDEM_E2E_MODELS=$(E2E_MODELS) $(VENV)/bin/pytest tests/e2e
+endif
+
+run: $(STUBS) models  ## build the demo models if absent, start target + draft + router (NO_DRAFT=1: target-only)
+	$(PY) -m router.launch --models models/demo $(if $(NO_DRAFT),--no-draft) \
+		--http-port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
+
+OVERLAY ?= gpu
+deploy:  ## kubectl apply -k deploy/overlays/$(OVERLAY)  (OVERLAY=gpu|cpu)
+	kubectl apply -k deploy/overlays/$(OVERLAY)
+
+IMAGE ?= ghcr.io/tandem-serving/tandem:0.1.0
+image:  ## build the container image (needs a Docker engine)
+	docker build -t $(IMAGE) .
 
 clean:  ## remove generated stubs and caches (keeps .venv and models/)
 	rm -rf tandem .pytest_cache .ruff_cache

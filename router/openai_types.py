@@ -68,6 +68,8 @@ class CompletionBody(_Common):
             raise RequestError("echo", "echo is not supported")
         if self.suffix:
             raise RequestError("suffix", "suffix is not supported")
+        if self.prompt == "" or self.prompt == [""]:
+            raise RequestError("prompt", "must not be empty")
         if isinstance(self.prompt, str):
             ids = encode(self.prompt)
         elif self.prompt and isinstance(self.prompt[0], str):

@@ -24,6 +24,7 @@ class OutputBuilder:
         """Take newly emitted tokens; return (tokens kept in the history, delta to send or None)."""
         assert self.finish_reason is None
         kept: list[int] = []
+        cut = False  # a stop string matched: self.text is already decoded and cut
         for tok in token_ids:
             if tok in self.eos_ids:
                 self.finish_reason = FinishReason.STOP
@@ -31,13 +32,14 @@ class OutputBuilder:
             kept.append(tok)
             self.output_ids.append(tok)
             if self._check_stop_strings():
+                cut = True
                 break
             if len(self.output_ids) >= self.request.max_tokens:
                 self.finish_reason = FinishReason.LENGTH
                 break
         if not kept and self.finish_reason is None:
             return kept, None
-        if self.finish_reason is None:
+        if not cut:  # also on EOS / max_tokens: the text of this step's tokens must go out
             self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
         return kept, self._delta(logprobs[: len(kept)] if logprobs is not None else None)
 
@@ -59,9 +61,9 @@ class OutputBuilder:
         finished = self.finish_reason is not None
         end = len(self.text)
         if not finished:
-            end -= self._holdback  # could be the start of a stop string
             while end > self._sent_chars and self.text[end - 1] == "\ufffd":
                 end -= 1  # an incomplete UTF-8 sequence: wait for its next byte
+            end -= self._holdback  # could be the start of a stop string (whose end may be that character)
         end = max(end, self._sent_chars)
         new_tokens = self.output_ids[self._sent_tokens:]
         if end == self._sent_chars and not finished and not new_tokens:

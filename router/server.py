@@ -4,7 +4,11 @@ event loop, and stop them in order: stop taking requests, finish or abort what r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -18,6 +22,19 @@ from router.engine import RouterEngine
 from router.http_api import create_app
 
 log = logging.getLogger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die by the
+    signal before the router released its sequences; here a signal only asks for shutdown and the
+    process exits normally once everything is stopped."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self.handle_exit)
+        yield
 
 
 @dataclass(frozen=True)
@@ -54,7 +71,7 @@ class RouterServer:
         for name in ("", grpc_api.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         app = create_app(self.engine, e.model_name)
-        self.http = uvicorn.Server(uvicorn.Config(app, host=e.host, port=e.http_port, log_level="warning",
+        self.http = _Uvicorn(uvicorn.Config(app, host=e.host, port=e.http_port, log_level="warning",
                                                   timeout_graceful_shutdown=5))
         log.info("HTTP on http://%s:%d  gRPC on %s:%d  model %r", e.host, e.http_port, e.host, self.grpc_port,
                  e.model_name)
