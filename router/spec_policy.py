@@ -4,8 +4,9 @@ Expected tokens one verification of k drafts emits, for per-token acceptance a:
     E(k) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
 The target's step time grows with the tokens it scores, t(N) = alpha + beta * N (fitted online
 from the target's forward times). SmartSpec-style, the policy raises the k of whichever sequence
-gains most until goodput sum(E_i) / t(N) stops improving: large batches are compute-bound (beta*N
-dominates) and get small k; a sequence whose drafts keep failing has a small a and drops to 0.
+gains most until goodput (P + sum(E_i)) / t(N) stops improving, P the prompt tokens the step also
+processes: large batches and prefill-heavy steps are compute-bound (beta*N dominates) and get small k;
+a sequence whose drafts keep failing has a small a and drops to 0.
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ class StepCostModel:
 
 
 def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCostModel) -> list[int]:
-    """Per-sequence k maximising sum(E_i(k_i)) / t(base_tokens + sum(1 + k_i)), each k_i <= caps[i].
+    """Per-sequence k maximising (base_tokens + sum(E_i(k_i))) / t(base_tokens + sum(1 + k_i)), k_i <= caps[i].
 
-    base_tokens: tokens already in the step that are not verifications (prompt chunks)."""
+    base_tokens: tokens already in the step that are not verifications (prompt chunks). They count as
+    useful work: a draft token is worth scoring only if its expected yield beats the step's per-token
+    rate, else it merely delays prefill (and in a full budget it displaces prompt tokens one for one)."""
     ks = [0] * len(rates)
     tokens = base_tokens + len(rates)
-    gain = sum(expected_tokens(a, 0) for a in rates)
+    gain = base_tokens + sum(expected_tokens(a, 0) for a in rates)
     best = gain / cost.step_ms(tokens)
     while True:
         pick, pick_goodput = -1, best

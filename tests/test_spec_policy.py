@@ -1,0 +1,201 @@
+"""Speculation policy specification: the expected-tokens formula, the acceptance estimate, the step
+cost model, and the choice of k per sequence from acceptance and load."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.spec_policy import AcceptanceTracker, StepCostModel, choose_k, expected_tokens
+
+CPU = StepCostModel(alpha=10.0, beta=1.2)  # compute-bound: every scored token costs (the module's prior)
+GPU = StepCostModel(alpha=20.0, beta=0.02)  # memory-bound: scoring more tokens is nearly free
+
+
+def goodput(rates: list[float], ks: list[int], base_tokens: int, cost: StepCostModel) -> float:
+    """The objective choose_k maximises: useful tokens (prompt tokens + expected emitted) per ms."""
+    useful = base_tokens + sum(expected_tokens(a, k) for a, k in zip(rates, ks, strict=True))
+    return useful / cost.step_ms(base_tokens + sum(1 + k for k in ks))
+
+
+# ---- expected tokens ----------------------------------------------------------------------------
+@given(a=st.one_of(st.floats(0.0, 1.0 - 1e-6), st.just(1.0)), k=st.integers(0, 16))
+def test_expected_tokens_is_the_sum_of_acceptance_powers(a, k):
+    """One verification of k drafts emits 1 + a + ... + a^k tokens: the bonus/correction token,
+    plus draft i accepted only if all before it were (probability a^i)."""
+    assert expected_tokens(a, k) == pytest.approx(sum(a**i for i in range(k + 1)), rel=1e-9, abs=1e-12)
+
+
+def test_expected_tokens_edges():
+    assert expected_tokens(0.0, 5) == 1.0  # every draft rejected: just the corrected token
+    assert expected_tokens(1.0, 5) == 6.0  # every draft accepted: k + the bonus token
+    assert expected_tokens(0.5, 0) == 1.0  # no drafts: plain decoding
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+# ---- acceptance tracker -------------------------------------------------------------------------
+def test_tracker_starts_at_the_prior():
+    assert AcceptanceTracker().rate == pytest.approx(0.7)
+
+
+def test_tracker_falls_with_every_rejection_and_rises_with_every_acceptance():
+    down, up = AcceptanceTracker(), AcceptanceTracker()
+    rates_down, rates_up = [down.rate], [up.rate]
+    for _ in range(30):
+        down.update(4, 0)  # first draft rejected every time
+        up.update(4, 4)  # all four accepted every time
+        rates_down.append(down.rate)
+        rates_up.append(up.rate)
+    assert all(b < a for a, b in itertools.pairwise(rates_down))
+    assert all(b > a for a, b in itertools.pairwise(rates_up))
+    assert rates_down[-1] < 0.05 and rates_up[-1] > 0.99
+
+
+def test_tracker_estimates_per_position_acceptance_up_to_the_first_rejection():
+    """2 of 4 accepted means positions 1-2 accepted and position 3 rejected; position 4 was never
+    tried, so the per-token estimate is 2/3, not 2/4."""
+    t = AcceptanceTracker()
+    for _ in range(200):
+        t.update(4, 2)
+    assert t.rate == pytest.approx(2 / 3, abs=1e-6)
+
+
+def test_tracker_converges_to_the_true_rate_of_geometric_acceptance():
+    rng = random.Random(0)
+    for p in (0.2, 0.5, 0.8):
+        t, samples = AcceptanceTracker(), []
+        for _ in range(3000):
+            accepted = 0
+            while accepted < 4 and rng.random() < p:
+                accepted += 1
+            t.update(4, accepted)
+            samples.append(t.rate)
+        mean = sum(samples[500:]) / len(samples[500:])
+        assert mean == pytest.approx(p, abs=0.05)
+
+
+@pytest.mark.parametrize("accepted", [0, 4], ids=["after-rejections", "after-acceptances"])
+def test_tracker_drifts_back_to_the_prior_while_not_speculating(accepted):
+    """At k = 0 there is no evidence; the estimate relaxes toward 0.7 so a sequence that dropped
+    to k = 0 gets another try later (and one that did well does not keep an unearned high rate)."""
+    t = AcceptanceTracker()
+    for _ in range(20):
+        t.update(4, accepted)
+    far = abs(t.rate - 0.7)
+    assert far > 0.25
+    rates = [t.rate]
+    for _ in range(600):
+        t.update(0, 0)
+        rates.append(t.rate)
+    dist = [abs(r - 0.7) for r in rates]
+    assert all(b < a for a, b in itertools.pairwise(dist)), "monotonically closer, never overshooting"
+    assert dist[-1] < 0.01
+    assert dist[1] > 0.9 * far, "the drift is slow: one idle step is not evidence"
+
+
+# ---- step cost model ----------------------------------------------------------------------------
+def test_cost_model_recovers_alpha_and_beta_from_exact_observations():
+    m = StepCostModel()
+    for n in itertools.islice(itertools.cycle([1, 8, 32, 64, 128, 5]), 40):
+        m.observe(n, 3.0 + 0.05 * n)
+    assert m.alpha == pytest.approx(3.0, rel=1e-6) and m.beta == pytest.approx(0.05, rel=1e-6)
+    assert m.step_ms(100) == pytest.approx(8.0, rel=1e-6)
+
+
+def test_cost_model_recovers_alpha_and_beta_from_noisy_observations():
+    rng = random.Random(1)
+    m = StepCostModel()
+    for _ in range(400):
+        n = rng.randint(1, 256)
+        m.observe(n, (25.0 + 0.3 * n) * rng.uniform(0.95, 1.05))
+    assert m.alpha == pytest.approx(25.0, rel=0.15) and m.beta == pytest.approx(0.3, rel=0.05)
+
+
+def test_cost_model_follows_a_change_of_regime():
+    m = StepCostModel()
+    for n in itertools.islice(itertools.cycle([1, 16, 64, 200]), 200):
+        m.observe(n, 3.0 + 0.05 * n)
+    for n in itertools.islice(itertools.cycle([1, 16, 64, 200]), 600):
+        m.observe(n, 12.0 + 0.8 * n)
+    assert m.alpha == pytest.approx(12.0, rel=0.02) and m.beta == pytest.approx(0.8, rel=0.02)
+
+
+def test_cost_model_keeps_its_prior_until_the_data_determine_a_line():
+    m = StepCostModel()
+    for _ in range(3):
+        m.observe(10, 50.0)
+    assert (m.alpha, m.beta) == (10.0, 1.2), "too few observations"
+    for _ in range(50):
+        m.observe(10, 50.0)
+    assert (m.alpha, m.beta) == (10.0, 1.2), "one batch size says nothing about the slope"
+    for n in itertools.islice(itertools.cycle([1, 50]), 50):
+        m.observe(n, 100.0 - n)
+    assert (m.alpha, m.beta) == (10.0, 1.2), "a step that gets cheaper with more tokens is noise, not a model"
+
+
+# ---- choosing k ----------------------------------------------------------------------------------
+def test_high_acceptance_and_a_small_batch_speculate_to_the_cap():
+    assert choose_k([0.9], [4], 0, CPU) == [4]
+    assert choose_k([0.9, 0.9], [4, 4], 0, CPU) == [4, 4]
+    assert choose_k([0.9], [4], 0, GPU) == [4]
+
+
+def test_low_acceptance_does_not_speculate():
+    assert choose_k([0.05], [4], 0, CPU) == [0]
+    assert choose_k([0.05] * 4, [4] * 4, 0, CPU) == [0] * 4
+    assert choose_k([0.9, 0.05], [4, 4], 0, CPU) == [4, 0], "k is per sequence"
+
+
+def test_better_acceptance_never_gets_a_smaller_k():
+    for n, cost in ((1, CPU), (8, CPU), (8, GPU)):
+        ks = [choose_k([a] * n, [8] * n, 0, cost) for a in (0.1, 0.3, 0.5, 0.7, 0.9, 0.97)]
+        totals = [sum(k) for k in ks]
+        assert totals == sorted(totals) and totals[-1] > totals[0]
+
+
+def test_larger_batches_get_smaller_k_per_sequence_when_compute_bound():
+    per_seq = [sum(choose_k([0.8] * n, [4] * n, 0, CPU)) / n for n in (1, 2, 4, 8, 16, 32, 64)]
+    assert all(b <= a for a, b in itertools.pairwise(per_seq))
+    assert per_seq[0] == 4 and per_seq[-1] < 1
+
+
+def test_a_prefill_heavy_step_gets_smaller_k_when_compute_bound():
+    """Prompt tokens in the step are work too: on a compute-bound target, scoring drafts in a step
+    full of prefill costs as much as prefill and yields less (a^i < 1 per token)."""
+    per_base = [sum(choose_k([0.9] * 4, [4] * 4, base, CPU)) for base in (0, 16, 64, 128, 256)]
+    assert all(b <= a for a, b in itertools.pairwise(per_base))
+    assert per_base[0] == 16 and per_base[-1] == 0
+    # memory-bound: extra scored tokens are nearly free, prefill or not
+    assert choose_k([0.9] * 4, [4] * 4, 256, GPU) == [4] * 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=0, max_size=12),
+       caps=st.lists(st.integers(0, 8), min_size=12, max_size=12),
+       base=st.integers(0, 512), beta=st.sampled_from([0.02, 0.3, 1.2, 5.0]))
+def test_choose_k_respects_caps_and_no_single_step_of_k_improves_goodput(rates, caps, base, beta):
+    cost = StepCostModel(alpha=10.0, beta=beta)
+    caps = caps[: len(rates)]
+    ks = choose_k(rates, caps, base, cost)
+    assert len(ks) == len(rates)
+    assert all(0 <= k <= c for k, c in zip(ks, caps, strict=True))
+    best = goodput(rates, ks, base, cost)
+    assert best >= goodput(rates, [0] * len(rates), base, cost)
+    for i in range(len(rates)):
+        if ks[i] < caps[i]:
+            up = ks[:i] + [ks[i] + 1] + ks[i + 1:]
+            assert goodput(rates, up, base, cost) <= best * 1.0001 + 1e-12
+
+
+@settings(max_examples=100, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3), caps=st.lists(st.integers(0, 4), min_size=3,
+       max_size=3), base=st.integers(0, 64), beta=st.sampled_from([0.02, 0.3, 1.2, 5.0]))
+def test_choose_k_matches_a_brute_force_optimum(rates, caps, base, beta):
+    cost = StepCostModel(alpha=10.0, beta=beta)
+    caps = caps[: len(rates)]
+    optimum = max(goodput(rates, list(ks), base, cost) for ks in itertools.product(*(range(c + 1) for c in caps)))
+    assert goodput(rates, choose_k(rates, caps, base, cost), base, cost) >= optimum * (1 - 1e-3)
