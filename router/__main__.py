@@ -20,8 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m router",
         description="Tandem router: schedules chunked prefill + speculative decoding over a target and an "
                     "optional draft service, and serves OpenAI-compatible HTTP and gRPC Generate.")
-    p.add_argument("--target", required=True, help="target service address HOST:PORT")
-    p.add_argument("--draft", default=None, help="draft service address HOST:PORT (omit: target-only, k = 0)")
+    p.add_argument("--target", required=True,
+                   help="target replicas: HOST:PORT[,HOST:PORT...], dns:NAME:PORT (every address of a headless "
+                        "Service) or k8s:NAMESPACE/SERVICE:PORT (EndpointSlices watched through the Kubernetes API)")
+    p.add_argument("--draft", default=None,
+                   help="draft replicas, same forms as --target (omit: target-only, k = 0)")
     p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json (usually the target model dir)")
     p.add_argument("--served-model-name", default="", help="model name clients use (default: tokenizer dir name)")
     p.add_argument("--host", default="127.0.0.1", help="address for HTTP and gRPC (0.0.0.0 in a container)")

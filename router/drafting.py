@@ -90,13 +90,14 @@ class DraftLane:
                 f"(vocab {info.vocab_size} vs {vocab}, fingerprint {info.tokenizer_fingerprint[:12]!r} vs "
                 f"{fingerprint[:12]!r}); speculation needs an identical vocabulary")
         self.info, self.up = info, True
-        self.metrics.draft_up.set(1)
+        self.metrics.replica_up.labels(replica=self.client.address, service="draft").set(1)
         log.info("draft %s ready: %s, %d blocks x %d", self.client.address, info.model_id, info.num_blocks,
                  info.block_size)
 
     def _lost(self) -> None:
         self.up = False
-        self.metrics.draft_up.set(0)
+        if self.client is not None:
+            self.metrics.replica_up.labels(replica=self.client.address, service="draft").set(0)
         if self._reconnect is None or self._reconnect.done():
             self._reconnect = asyncio.create_task(self._reconnect_loop())
 
@@ -107,7 +108,7 @@ class DraftLane:
             try:
                 await self._handshake()
             except ServiceDown:
-                delay = min(2 * delay, 30.0)
+                delay = min(2 * delay, 5.0)
             except IncompatibleDraft as err:
                 log.error("%s", err)
                 delay = 30.0

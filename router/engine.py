@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from engine.sampling import validate_sampling
 from engine.tokenizer import tokenizer_fingerprint
-from router.clients import DraftClient, Rejected, ServiceDown, TargetClient
+from router.clients import Rejected, ServiceDown
 from router.config import RouterConfig
 from router.core import (
     Delta,
@@ -29,11 +29,11 @@ from router.core import (
     ServiceUnavailable,
     TokenLogprob,
 )
-from router.drafting import DraftLane
+from router.discovery import parse_spec
+from router.lanes import Lane, choose_lane, connect_lane, migrate, pick_draft, share_draft_capacity
 from router.loop import StepLoop
 from router.metrics import Metrics
 from router.output import OutputBuilder
-from router.scheduler import CacheGeometry, Scheduler
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -46,73 +46,120 @@ class IncompatibleTarget(RuntimeError):
 
 
 class RouterEngine:
-    def __init__(self, config: RouterConfig, target_address: str, draft_address: str | None,
+    def __init__(self, config: RouterConfig, target_spec: str, draft_spec: str | None,
                  tokenizer_dir: str | Path) -> None:
+        """target_spec / draft_spec: where the replicas are (router.discovery.parse_spec)."""
         self.config = config
         self.metrics = Metrics(config.k_max)
-        self.target = TargetClient(target_address, config.target_timeout_s)
-        self.draft = DraftLane(DraftClient(draft_address, config.draft_timeout_s) if draft_address else None,
-                               self.metrics, config.draft_retry_s)
+        self.targets = parse_spec(target_spec)
+        self.drafts = parse_spec(draft_spec) if draft_spec else None
         tokenizer_dir = Path(tokenizer_dir)
         self.tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
         self.fingerprint = tokenizer_fingerprint(tokenizer_dir)
         cfg_path = tokenizer_dir / "tokenizer_config.json"
         self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.target_info: common_pb2.ModelInfo | None = None
-        self.target_up = False
-        self._down_since = 0.0
+        self.target_info: common_pb2.ModelInfo | None = None  # the first target's; all must agree
+        self.lanes: dict[str, Lane] = {}
         self._ids = itertools.count(random.getrandbits(31) << 20)  # fresh ids per router instance
         self._seqs: dict[int, Sequence] = {}
+        self._lane_of: dict[int, Lane] = {}
         self._builders: dict[int, OutputBuilder] = {}
-        self._to_release: list[int] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.loop: StepLoop | None = None
-        self.scheduler: Scheduler | None = None
+        self._refresh: asyncio.Task | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, wait_s: float = 300.0) -> None:
-        """Wait for the target (up to wait_s), check both services are compatible, start the loop."""
+        """Wait (up to wait_s) until at least one target answers; check compatibility; start."""
         deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                info = await self.target.info()
+        while not self.lanes:
+            errors = await self._discover()
+            if self.lanes:
                 break
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"no target reachable: {'; '.join(errors) or 'none discovered'}")
+            log.info("waiting for a target ... (%s)", "; ".join(errors) or "none discovered yet")
+            await asyncio.sleep(1.0)
+        if self.targets.dynamic or (self.drafts is not None and self.drafts.dynamic):
+            self._refresh = asyncio.create_task(self._refresh_loop())
+        log.info("router ready: %s", ", ".join(f"{n} (draft {lane.draft_address})" for n, lane in self.lanes.items()))
+
+    async def _discover(self) -> list[str]:
+        """Add lanes for new target replicas, retire lanes whose replica left. Returns errors."""
+        addresses = await self.targets.addresses()
+        drafts = await self.drafts.addresses() if self.drafts else []
+        errors = []
+        for address in addresses:
+            if address in self.lanes:
+                continue
+            try:
+                lane = await connect_lane(self.config, self.metrics, address,
+                                          pick_draft(list(self.lanes.values()), drafts), self.fingerprint)
             except ServiceDown as err:
-                if time.monotonic() > deadline:
-                    raise ServiceUnavailable(f"target {self.target.address} unreachable: {err}") from None
-                log.info("waiting for target %s ...", self.target.address)
-                await asyncio.sleep(1.0)
-        self._check_target(info)
-        self.target_info, self.target_up = info, True
-        self.metrics.target_up.set(1)
-        await self.draft.connect(info.tokenizer_fingerprint or self.fingerprint, info.vocab_size)
-        d = self.draft.info
-        self.scheduler = Scheduler(self.config, CacheGeometry(info.free_blocks, info.block_size),
-                                   CacheGeometry(d.free_blocks, d.block_size) if d else None)
-        self.loop = StepLoop(self.config, self.scheduler, self.target, self.draft, self.metrics, info.max_model_len,
-                             self._emit, self._finish_with, self._target_lost)
-        self._task = asyncio.create_task(self._run())
-        log.info("router ready: target %s (%s), draft %s", self.target.address, info.model_id,
-                 self.draft.client.address if self.draft.client else "none")
+                errors.append(f"{address}: {err}")
+                continue
+            self._check_target(lane.info)
+            self._start_lane(lane)
+        for name in [n for n in self.lanes if n not in addresses and self.targets.dynamic]:
+            await self._retire(self.lanes[name])
+        return errors
+
+    def _start_lane(self, lane: Lane) -> None:
+        if self.target_info is None:
+            self.target_info = lane.info
+        lane.loop = StepLoop(self.config, lane.scheduler, lane.target, lane.draft, self.metrics,
+                             min(lane.info.max_model_len, self.target_info.max_model_len),
+                             self._emit, self._finish_with, lambda: self._target_lost(lane))
+        self.lanes[lane.name] = lane
+        share_draft_capacity(list(self.lanes.values()))
+        lane.task = asyncio.create_task(self._run(lane))
+        self.metrics.replica_up.labels(replica=lane.name, service="target").set(1)
+        log.info("target replica %s: %s, %d blocks x %d, max_model_len %d", lane.name, lane.info.model_id,
+                 lane.info.free_blocks, lane.info.block_size, lane.info.max_model_len)
+
+    async def _retire(self, lane: Lane) -> None:
+        log.warning("target replica %s left discovery", lane.name)
+        lane.retired = True
+        self._relocate_pins(lane)
+        for seq in lane.sequences():  # nowhere to go: the last replica left
+            self._finish_with(seq, FinishReason.ERROR, ServiceUnavailable(f"target replica {lane.name} is gone"))
+        del self.lanes[lane.name]
+        if lane.task:
+            lane.task.cancel()
+        await lane.draft.close()
+        self.metrics.replica_up.labels(replica=lane.name, service="target").set(0)
+
+    async def _refresh_loop(self, period_s: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self._discover()
+            except Exception:  # noqa: BLE001 - discovery trouble must not stop serving
+                log.exception("replica discovery failed")
 
     def _check_target(self, info: common_pb2.ModelInfo) -> None:
         if info.tokenizer_fingerprint and self.fingerprint and info.tokenizer_fingerprint != self.fingerprint:
             raise IncompatibleTarget(f"target {info.model_id!r} uses a different tokenizer than the router's")
         if self.target_info is not None and info.vocab_size != self.target_info.vocab_size:
-            raise IncompatibleTarget(f"target came back as a different model ({info.model_id!r})")
+            raise IncompatibleTarget(f"target {info.model_id!r} is a different model (vocab {info.vocab_size} "
+                                     f"vs {self.target_info.vocab_size})")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        if self._refresh:
+            self._refresh.cancel()
+        for lane in self.lanes.values():
+            if lane.task:
+                lane.task.cancel()
         for seq in list(self._seqs.values()):
             self._finish_with(seq, FinishReason.ABORT, ServiceUnavailable("router shutting down"))
-        await self._release()
-        await self.draft.close()
+        for lane in self.lanes.values():
+            await self._release(lane)
+            await lane.draft.close()
+        self.targets.close()
+        if self.drafts:
+            self.drafts.close()
 
     @property
     def ready(self) -> bool:
-        return self.target_up and self._task is not None and not self._task.done()
+        return any(lane.up and lane.task is not None and not lane.task.done() for lane in self.lanes.values())
 
     # ---- requests ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -120,7 +167,7 @@ class RouterEngine:
 
     def validate(self, req: GenerationRequest) -> None:
         info = self.target_info
-        assert info is not None and self.scheduler is not None, "engine not started"
+        assert info is not None and self.lanes, "engine not started"
         if not req.prompt_ids:
             raise RequestError("prompt", "must not be empty")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= info.vocab_size:
@@ -132,7 +179,7 @@ class RouterEngine:
             raise RequestError("max_tokens" if len(req.prompt_ids) < info.max_model_len else "prompt",
                                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds "
                                f"the model's max_model_len {info.max_model_len}")
-        if not self.scheduler.fits_ever(total):
+        if not any(lane.scheduler.fits_ever(total) for lane in self.lanes.values()):
             raise RequestError("max_tokens", f"{total} tokens would not fit in the KV cache even alone")
         s = req.sampling
         problems = validate_sampling(s.temperature, s.top_p, s.top_k, "sampling")
@@ -145,17 +192,20 @@ class RouterEngine:
 
     def submit(self, req: GenerationRequest) -> Sequence:
         self.validate(req)
-        assert self.scheduler is not None
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise Overloaded(f"{len(self.scheduler.waiting)} requests waiting; try again later")
+        waiting = sum(len(lane.scheduler.waiting) for lane in self.lanes.values())
+        if waiting >= self.config.max_waiting * len(self.lanes):
+            raise Overloaded(f"{waiting} requests waiting; try again later")
+        lane = choose_lane(list(self.lanes.values())) or next(iter(self.lanes.values()))
         seq = Sequence(seq_id=next(self._ids), request=req, tokens=list(req.prompt_ids),
                        num_prompt=len(req.prompt_ids))
         eos = set(self.target_info.eos_token_ids) if self.target_info else set()
         self._builders[seq.seq_id] = OutputBuilder(self.tokenizer, req, eos)
         self._seqs[seq.seq_id] = seq
-        self.scheduler.add(seq)
+        self._lane_of[seq.seq_id] = lane
+        lane.scheduler.add(seq)
+        self.metrics.replica_assigned.labels(replica=lane.name).inc()
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        self._wake.set()
+        lane.wake.set()
         return seq
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
@@ -204,75 +254,100 @@ class RouterEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finished = True
         seq.status = SeqStatus.FINISHED
-        assert self.scheduler is not None
-        self.scheduler.remove(seq)
+        lane = self._lane_of.pop(seq.seq_id)
+        lane.scheduler.remove(seq)
         self._seqs.pop(seq.seq_id, None)
         self._builders.pop(seq.seq_id, None)
-        if self.loop is not None:
-            self.loop.trackers.pop(seq.seq_id, None)
-            self.loop.next_k.pop(seq.seq_id, None)
-        self._to_release.append(seq.seq_id)
+        if lane.loop is not None:
+            lane.loop.trackers.pop(seq.seq_id, None)
+            lane.loop.next_k.pop(seq.seq_id, None)
+        lane.to_release.append(seq.seq_id)
         self.metrics.requests.labels(finish_reason=reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - seq.arrival)
-        self._wake.set()
+        lane.wake.set()
 
-    def _target_lost(self) -> None:
-        if self.target_up:
-            self._down_since = time.monotonic()
-        self.target_up = False
-        self.metrics.target_up.set(0)
-        for seq in self._seqs.values():
+    def _target_lost(self, lane: Lane) -> None:
+        if lane.up:
+            lane.down_since = time.monotonic()
+            log.error("target replica %s lost", lane.name)
+        lane.up = False
+        self.metrics.replica_up.labels(replica=lane.name, service="target").set(0)
+        for seq in lane.sequences():
             seq.target_cached = 0  # whatever it held is gone or unknown: recompute from history
+        self._relocate_pins(lane)
 
-    # ---- the loop ------------------------------------------------------------------------------
-    async def _run(self) -> None:
-        assert self.loop is not None and self.scheduler is not None
-        while True:
-            if not self.target_up:
-                await self._recover_target()
+    def _relocate_pins(self, src: Lane) -> None:
+        """Move src's sequences to live replicas, if there are any, and re-pin them."""
+        for seq, dst in migrate(src, list(self.lanes.values()), self.metrics):
+            self._lane_of[seq.seq_id] = dst
+
+    # ---- the loop (one per replica) -------------------------------------------------------------
+    async def _run(self, lane: Lane) -> None:
+        assert lane.loop is not None
+        while not lane.retired:
+            if not lane.up:
+                await self._recover(lane)
                 continue
             try:
-                did = await self.loop.iteration()
+                did = await lane.loop.iteration()
             except Exception as err:  # a router bug must not hang requests: fail what was running
-                log.exception("step failed")
-                for seq in list(self.scheduler.running):
+                log.exception("step failed on %s", lane.name)
+                for seq in list(lane.scheduler.running):
                     self._finish_with(seq, FinishReason.ERROR, err)
                 did = True
-            await self._release()
+            if lane.draft.info is not None and lane.scheduler.draft is None:
+                share_draft_capacity(list(self.lanes.values()))  # a draft that came up after the lane
+            await self._release(lane)
             self._update_gauges()
             if not did:
-                self._wake.clear()
+                lane.wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+                    await asyncio.wait_for(lane.wake.wait(), timeout=0.05)
                 except TimeoutError:
                     pass
 
-    async def _recover_target(self) -> None:
+    async def _recover(self, lane: Lane) -> None:
         try:
-            info = await self.target.info(timeout_s=2.0)
+            info = await lane.target.info(timeout_s=2.0)
             self._check_target(info)
         except (ServiceDown, Rejected, IncompatibleTarget) as err:
-            waited = time.monotonic() - self._down_since
-            for seq in list(self._seqs.values()):
+            self._relocate_pins(lane)  # requests that arrived meanwhile, when another replica can take them
+            waited = time.monotonic() - lane.down_since
+            for seq in lane.sequences():
                 if min(waited, time.monotonic() - seq.arrival) > self.config.target_grace_s:
                     self._finish_with(seq, FinishReason.ERROR, ServiceUnavailable(
                         f"target unavailable for {waited:.0f}s (grace {self.config.target_grace_s:.0f}s): {err}"))
+            self._update_gauges()
             await asyncio.sleep(0.5)
             return
-        log.info("target %s is back; recomputing %d sequences", self.target.address, len(self._seqs))
-        self.target_up = True
-        self.metrics.target_up.set(1)
+        log.info("target replica %s is back; recomputing %d sequences", lane.name, len(lane.sequences()))
+        lane.up = True
+        self.metrics.replica_up.labels(replica=lane.name, service="target").set(1)
 
-    async def _release(self) -> None:
-        if self._to_release and self.loop is not None:
-            ids, self._to_release = self._to_release, []
-            await self.loop.release_now(ids)
+    async def _release(self, lane: Lane) -> None:
+        if lane.to_release and lane.loop is not None:
+            ids, lane.to_release = lane.to_release, []
+            await lane.loop.release_now(ids)
 
     def _update_gauges(self) -> None:
-        assert self.scheduler is not None
-        self.metrics.waiting.set(len(self.scheduler.waiting))
-        self.metrics.running.set(len(self.scheduler.running))
-        t, d = self.scheduler.usage()
-        self.metrics.kv_usage.labels(service="target").set(t / self.scheduler.target.num_blocks)
-        if self.scheduler.draft:
-            self.metrics.kv_usage.labels(service="draft").set(d / self.scheduler.draft.num_blocks)
+        lanes = list(self.lanes.values())
+        self.metrics.target_up.set(int(any(lane.up for lane in lanes)))
+        self.metrics.draft_up.set(int(all(lane.draft.up for lane in lanes if lane.draft.client is not None)))
+        self.metrics.waiting.set(sum(len(lane.scheduler.waiting) for lane in lanes))
+        self.metrics.running.set(sum(len(lane.scheduler.running) for lane in lanes))
+        used = {"target": 0, "draft": 0}
+        total = {"target": 0, "draft": 0}
+        for lane in lanes:
+            t, d = lane.scheduler.usage()
+            self.metrics.replica_running.labels(replica=lane.name).set(len(lane.scheduler.running))
+            self.metrics.replica_waiting.labels(replica=lane.name).set(len(lane.scheduler.waiting))
+            self.metrics.replica_kv_usage.labels(replica=lane.name, service="target").set(
+                t / lane.scheduler.target.num_blocks)
+            used["target"] += t
+            total["target"] += lane.scheduler.target.num_blocks
+            if lane.scheduler.draft:
+                used["draft"] += d
+                total["draft"] += lane.scheduler.draft.num_blocks
+        for service in ("target", "draft"):
+            if total[service]:
+                self.metrics.kv_usage.labels(service=service).set(used[service] / total[service])

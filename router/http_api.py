@@ -154,9 +154,11 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
     async def ready() -> Response:
         if not engine.ready:
             return error(503, "target unavailable", kind="unavailable")
-        return JSONResponse({"status": "ready", "target": engine.target.address,
-                             "draft": engine.draft.client.address if engine.draft.client else None,
-                             "draft_available": engine.draft.up})
+        lanes = list(engine.lanes.values())
+        return JSONResponse({"status": "ready", "target": lanes[0].name, "draft": lanes[0].draft_address,
+                             "draft_available": all(lane.draft.up for lane in lanes if lane.draft_address),
+                             "replicas": [{"target": lane.name, "target_up": lane.up, "draft": lane.draft_address,
+                                           "draft_up": lane.draft.up} for lane in lanes]})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -44,8 +44,21 @@ class Metrics:
         self.pipeline_hits = Counter("tandem:pipeline_hits", "...of which the optimistic proposal held", registry=r)
         self.draft_fallbacks = Counter("tandem:draft_fallbacks", "Steps run at k = 0 because the draft was "
                                        "down, failing or late", ["reason"], registry=r)
-        self.draft_up = Gauge("tandem:draft_available", "1 when the draft service is in use", registry=r)
-        self.target_up = Gauge("tandem:target_available", "1 when the target service answers", registry=r)
+        self.draft_up = Gauge("tandem:draft_available", "1 when every configured draft replica is in use",
+                              registry=r)
+        self.target_up = Gauge("tandem:target_available", "1 when at least one target replica answers", registry=r)
+        self.replica_up = Gauge("tandem:replica_up", "1 when this replica answers", ["replica", "service"],
+                                registry=r)
+        self.replica_running = Gauge("tandem:replica_num_requests_running", "Sequences pinned to a target replica",
+                                     ["replica"], registry=r)
+        self.replica_waiting = Gauge("tandem:replica_num_requests_waiting", "Sequences queued for a target replica",
+                                     ["replica"], registry=r)
+        self.replica_kv_usage = Gauge("tandem:replica_kv_cache_usage_perc", "KV blocks reserved, per replica",
+                                      ["replica", "service"], registry=r)
+        self.replica_assigned = Counter("tandem:replica_sequences", "Sequences assigned to a target replica",
+                                        ["replica"], registry=r)
+        self.migrations = Counter("tandem:replica_migrations", "Sequences moved off a lost replica (recomputed "
+                                  "elsewhere)", registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from router.discovery import DnsDiscovery, KubernetesDiscovery, parse_spec
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 KUBECTL = shutil.which("kubectl")
@@ -334,10 +336,16 @@ def test_container_args_parse_with_the_real_clis(rendered):
     assert r.max_num_batched_tokens <= args["target"].max_batch_tokens, \
         "router: a step budget larger than the target's --max-batch-tokens"
     for comp, address in (("target", r.target), ("draft", r.draft)):
-        host, _, port = address.rpartition(":")
+        discovery = parse_spec(address)  # the router's own parser: k8s:NS/SERVICE:PORT or dns:NAME:PORT
+        if isinstance(discovery, KubernetesDiscovery):
+            discovery.close()
+            host, port = f"{discovery.service}.{discovery.namespace}.svc", discovery.port
+        else:
+            assert isinstance(discovery, DnsDiscovery), f"router: --{comp} {address} must be discovered, not static"
+            host, port = discovery.name, discovery.port
         svc = [s for s in services if s["spec"].get("clusterIP") == "None"
                and host == f"{s['metadata']['name']}.{s['metadata']['namespace']}.svc"]
-        assert svc, f"router: --{comp} {address} is not a headless Service's DNS name (NAME.{NAMESPACE}.svc)"
+        assert svc, f"router: --{comp} {address} does not name a headless Service (NAME.{NAMESPACE}.svc)"
         assert selects(svc[0]["spec"]["selector"], pod_labels(deps[comp])), f"--{comp} names a Service of other pods"
         assert int(port) in [p["port"] for p in svc[0]["spec"]["ports"]], f"--{comp}: port {port} not on the Service"
     # The router waits --startup-wait for the target before it opens its ports: at least as long as

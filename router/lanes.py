@@ -1,0 +1,119 @@
+"""Replicas: one Lane per target replica, each with its own scheduler and step loop, paired with
+a draft replica. A sequence is pinned to one lane (so to one target and one draft); new
+sequences go to the least loaded lane. A lane whose target is lost or leaves discovery hands its
+sequences to the others, which recompute them from the router's history.
+
+    targets  t0   t1   t2          drafts  d0   d1
+    lanes   (t0,d0) (t1,d1) (t2,d0)   d0's KV blocks are split between the two lanes using it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from router.clients import DraftClient, TargetClient
+from router.config import RouterConfig
+from router.core import SeqStatus, Sequence
+from router.drafting import DraftLane
+from router.loop import StepLoop
+from router.metrics import Metrics
+from router.scheduler import CacheGeometry, Scheduler
+from tandem.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Lane:
+    target: TargetClient
+    draft: DraftLane
+    info: common_pb2.ModelInfo
+    scheduler: Scheduler
+    loop: StepLoop | None = None
+    up: bool = True
+    down_since: float = 0.0
+    retired: bool = False
+    task: asyncio.Task | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    to_release: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.target.address
+
+    @property
+    def draft_address(self) -> str | None:
+        return self.draft.client.address if self.draft.client else None
+
+    def load(self) -> float:
+        """KV reserved (fraction) plus queue pressure: where a new sequence should go."""
+        t, _ = self.scheduler.usage()
+        return t / self.scheduler.target.num_blocks + len(self.scheduler.waiting) / self.scheduler.config.max_num_seqs
+
+    def sequences(self) -> list[Sequence]:
+        return list(self.scheduler.running) + list(self.scheduler.waiting)
+
+
+def pick_draft(lanes: list[Lane], drafts: list[str]) -> str | None:
+    """The draft replica used by the fewest lanes (stable: ties go to the first listed)."""
+    if not drafts:
+        return None
+    used = Counter(lane.draft_address for lane in lanes)
+    return min(drafts, key=lambda d: used[d])
+
+
+def share_draft_capacity(lanes: list[Lane]) -> None:
+    """Split each draft replica's blocks evenly between the lanes that use it."""
+    users = Counter(lane.draft_address for lane in lanes if lane.draft.info is not None)
+    for lane in lanes:
+        info = lane.draft.info
+        if info is not None:
+            lane.scheduler.draft = CacheGeometry(info.free_blocks // users[lane.draft_address], info.block_size)
+
+
+def choose_lane(lanes: list[Lane], exclude: Lane | None = None) -> Lane | None:
+    candidates = [lane for lane in lanes if lane.up and not lane.retired and lane is not exclude]
+    return min(candidates, key=Lane.load) if candidates else None
+
+
+def migrate(src: Lane, lanes: list[Lane], metrics: Metrics) -> list[tuple[Sequence, Lane]]:
+    """Move every sequence of src to other live lanes (front of their queues, original order).
+    Their caches there are empty: they recompute from history. Returns (sequence, new lane)."""
+    moved = []
+    for seq in reversed(src.sequences()):
+        dst = choose_lane(lanes, exclude=src)
+        if dst is None:
+            break
+        src.scheduler.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.target_cached = seq.draft_cached = 0
+        seq.draft_stream = []
+        seq.draft_probs.clear()
+        dst.scheduler.waiting.appendleft(seq)
+        if src.loop is not None and dst.loop is not None:
+            if seq.seq_id in src.loop.trackers:
+                dst.loop.trackers[seq.seq_id] = src.loop.trackers.pop(seq.seq_id)
+            src.loop.next_k.pop(seq.seq_id, None)
+        dst.wake.set()
+        moved.append((seq, dst))
+    if moved:
+        metrics.migrations.inc(len(moved))
+        log.warning("moved %d sequences from %s to other replicas (recompute)", len(moved), src.name)
+    return moved
+
+
+async def connect_lane(config: RouterConfig, metrics: Metrics, address: str, draft_address: str | None,
+                       fingerprint: str) -> Lane:
+    """GetInfo on the target (raises ServiceDown), then the draft handshake (IncompatibleDraft
+    is raised; an unreachable draft is retried in the background)."""
+    target = TargetClient(address, config.target_timeout_s)
+    info = await target.info()
+    draft = DraftLane(DraftClient(draft_address, config.draft_timeout_s) if draft_address else None,
+                      metrics, config.draft_retry_s)
+    await draft.connect(info.tokenizer_fingerprint or fingerprint, info.vocab_size)
+    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None)
+    return Lane(target=target, draft=draft, info=info, scheduler=scheduler, down_since=time.monotonic())
