@@ -1,9 +1,18 @@
 """The e2e stack: target, draft and router as three real processes (router.launch.Stack) on free
-loopback ports, driven only through the public doors. TANDEM_E2E_MODELS names the model pair."""
+loopback ports, driven only through the public doors. TANDEM_E2E_MODELS names the model pair.
+
+Against a cluster (`make e2e-test K8S=1`): TANDEM_E2E_K8S=1, the router reachable at
+TANDEM_E2E_URL (HTTP) and TANDEM_E2E_GRPC (host:port), e.g. through
+`kubectl -n tandem port-forward svc/router 8000:8000 50051:50051`, and TANDEM_E2E_MODELS a local
+copy of the deployed pair (the reference). Faults are injected by deleting pods with kubectl
+(KUBECONFIG names the cluster); the Deployments bring them back.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,8 +30,36 @@ def models_dir() -> Path:
     return path
 
 
+class ClusterStack:
+    """The same surface as router.launch.Stack, over a deployed Tandem (namespace `tandem`)."""
+
+    def __init__(self, models: Path) -> None:
+        self.models = models
+        self.url = os.environ["TANDEM_E2E_URL"].rstrip("/")
+        self.grpc_address = os.environ["TANDEM_E2E_GRPC"]
+        self.grpc_port = int(self.grpc_address.rsplit(":", 1)[1])
+        self.served_name = os.environ.get("TANDEM_E2E_MODEL_NAME", "tandem")
+
+    def _kubectl(self, *args: str) -> None:
+        subprocess.run(["kubectl", "-n", "tandem", *args], check=True, timeout=600)
+
+    def kill(self, name: str, sig: int = 9) -> None:
+        self._kubectl("delete", "pod", "-l", f"app.kubernetes.io/component={name}", "--grace-period=0", "--force",
+                      "--wait=false")
+
+    def start_service(self, name: str) -> None:
+        pass  # the Deployment recreates the pod
+
+    def wait_service(self, name: str, timeout: float = 600) -> None:
+        time.sleep(2)
+        self._kubectl("rollout", "status", f"deployment/{name}", f"--timeout={int(timeout)}s")
+
+
 @pytest.fixture(scope="session")
 def stack(models_dir, tmp_path_factory):
+    if os.environ.get("TANDEM_E2E_K8S") == "1":
+        yield ClusterStack(models_dir)
+        return
     logs = tmp_path_factory.mktemp("logs")
     s = Stack(models_dir, http_port=free_port(), grpc_port=free_port(), target_port=free_port(),
               draft_port=free_port(), log_dir=logs,

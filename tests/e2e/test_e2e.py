@@ -31,7 +31,7 @@ def client(stack) -> OpenAI:
 
 @pytest.fixture(scope="module")
 def model(stack) -> str:
-    return stack.models.name
+    return getattr(stack, "served_name", stack.models.name)
 
 
 def test_completions_greedy_equal_transformers(client, model, ref):
@@ -67,7 +67,7 @@ def test_chat_streaming_and_not(client, model, ref):
 
 def test_grpc_generate_streaming_and_unary(stack, ref):
     prompt_ids = ref.encode(PROMPTS[5])
-    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+    with grpc.insecure_channel(getattr(stack, "grpc_address", f"127.0.0.1:{stack.grpc_port}")) as channel:
         stub = generate_pb2_grpc.GenerateStub(channel)
         req = generate_pb2.GenerateRequest(prompt_token_ids=prompt_ids, max_tokens=25, ignore_eos=True,
                                            sampling=common_pb2.SamplingParams(temperature=0))
