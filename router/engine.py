@@ -30,7 +30,7 @@ from router.core import (
     TokenLogprob,
 )
 from router.discovery import parse_spec
-from router.lanes import Lane, choose_lane, connect_lane, migrate, pick_draft, share_draft_capacity
+from router.lanes import Lane, choose_lane, connect_lane, migrate, pick_draft, publish_gauges, share_draft_capacity
 from router.loop import StepLoop
 from router.metrics import Metrics
 from router.output import OutputBuilder
@@ -330,24 +330,4 @@ class RouterEngine:
             await lane.loop.release_now(ids)
 
     def _update_gauges(self) -> None:
-        lanes = list(self.lanes.values())
-        self.metrics.target_up.set(int(any(lane.up for lane in lanes)))
-        self.metrics.draft_up.set(int(all(lane.draft.up for lane in lanes if lane.draft.client is not None)))
-        self.metrics.waiting.set(sum(len(lane.scheduler.waiting) for lane in lanes))
-        self.metrics.running.set(sum(len(lane.scheduler.running) for lane in lanes))
-        used = {"target": 0, "draft": 0}
-        total = {"target": 0, "draft": 0}
-        for lane in lanes:
-            t, d = lane.scheduler.usage()
-            self.metrics.replica_running.labels(replica=lane.name).set(len(lane.scheduler.running))
-            self.metrics.replica_waiting.labels(replica=lane.name).set(len(lane.scheduler.waiting))
-            self.metrics.replica_kv_usage.labels(replica=lane.name, service="target").set(
-                t / lane.scheduler.target.num_blocks)
-            used["target"] += t
-            total["target"] += lane.scheduler.target.num_blocks
-            if lane.scheduler.draft:
-                used["draft"] += d
-                total["draft"] += lane.scheduler.draft.num_blocks
-        for service in ("target", "draft"):
-            if total[service]:
-                self.metrics.kv_usage.labels(service=service).set(used[service] / total[service])
+        publish_gauges(list(self.lanes.values()), self.metrics)

@@ -117,3 +117,26 @@ async def connect_lane(config: RouterConfig, metrics: Metrics, address: str, dra
     await draft.connect(info.tokenizer_fingerprint or fingerprint, info.vocab_size)
     scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None)
     return Lane(target=target, draft=draft, info=info, scheduler=scheduler, down_since=time.monotonic())
+
+
+def publish_gauges(lanes: list[Lane], metrics: Metrics) -> None:
+    """Queue, running and KV gauges, in total and per replica."""
+    metrics.target_up.set(int(any(lane.up for lane in lanes)))
+    metrics.draft_up.set(int(all(lane.draft.up for lane in lanes if lane.draft.client is not None)))
+    metrics.waiting.set(sum(len(lane.scheduler.waiting) for lane in lanes))
+    metrics.running.set(sum(len(lane.scheduler.running) for lane in lanes))
+    used = {"target": 0, "draft": 0}
+    total = {"target": 0, "draft": 0}
+    for lane in lanes:
+        t, d = lane.scheduler.usage()
+        metrics.replica_running.labels(replica=lane.name).set(len(lane.scheduler.running))
+        metrics.replica_waiting.labels(replica=lane.name).set(len(lane.scheduler.waiting))
+        metrics.replica_kv_usage.labels(replica=lane.name, service="target").set(t / lane.scheduler.target.num_blocks)
+        used["target"] += t
+        total["target"] += lane.scheduler.target.num_blocks
+        if lane.scheduler.draft:
+            used["draft"] += d
+            total["draft"] += lane.scheduler.draft.num_blocks
+    for service in ("target", "draft"):
+        if total[service]:
+            metrics.kv_usage.labels(service=service).set(used[service] / total[service])
