@@ -19,6 +19,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.attention import flash_attn_available
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
@@ -61,7 +62,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     probe = EngineConfig(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
     device = probe.resolved_device()
-    block_size = args.block_size or (256 if args.attention_backend != "torch" and device.type == "cuda" else 16)
+    flash = args.attention_backend == "flash" or (args.attention_backend == "auto" and device.type == "cuda"
+                                                   and flash_attn_available())
+    block_size = args.block_size or (256 if flash else 16)  # flash-attn's paged kernels need 256-token pages
     num_blocks = args.num_blocks
     if not num_blocks:
         mc = ModelConfig.from_dir(args.model)
