@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS := tandem/v1/.generated
 
-.PHONY: help install proto lint test e2e-test run deploy image clean
+.PHONY: help install proto lint test e2e-test run bench deploy image clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -48,6 +48,9 @@ endif
 run: $(STUBS) models  ## build the demo models if absent, start target + draft + router (NO_DRAFT=1: target-only)
 	$(PY) -m router.launch --models models/demo $(if $(NO_DRAFT),--no-draft) \
 		--http-port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
+
+bench: $(STUBS) models  ## latency/throughput of every config vs transformers (~20 min; BENCH_ARGS=--quick: ~3)
+	$(PY) -m bench $(BENCH_ARGS)
 
 OVERLAY ?= gpu
 deploy:  ## kubectl apply -k deploy/overlays/$(OVERLAY)  (OVERLAY=gpu|cpu)

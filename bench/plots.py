@@ -1,0 +1,81 @@
+"""PNG plots from results.json. matplotlib is imported here only, lazily: without it the harness
+still runs and says how to get the plots later (`python -m bench --replot results.json`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MISSING = ("matplotlib is not installed: no PNG plots. Install it (matplotlib==3.11.2) and run "
+           "`python -m bench --replot {json}` to draw them from the saved results.")
+
+
+def plot(data: dict, out: Path, json_path: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(MISSING.format(json=json_path))
+        return []
+    import numpy as np
+
+    names = {c["key"]: f"({c['key']}) {c['name']}" for c in data["configs"]}
+    loads = data["plan"]["loads"]
+    written = []
+
+    fig, axes = _grid(plt, len(loads))
+    for ax, load in zip(axes, loads, strict=False):
+        for cfg, per_load in data["itl_samples"].items():
+            xs = np.sort(np.asarray(per_load.get(load["name"], []), dtype=float))
+            if xs.size:
+                ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=names[cfg], lw=1.3)
+        ax.set_xscale("log")
+        ax.set_title(load["label"])
+        ax.set_xlabel("inter-token latency (ms)")
+        ax.set_ylabel("fraction of tokens")
+        ax.grid(alpha=0.3, which="both")
+    _legend(fig, axes, len(loads))
+    fig.suptitle(f"ITL CDF per configuration — {data['meta']['models']}")
+    fig.tight_layout()
+    written.append(_save(fig, out / "itl_cdf.png", plt))
+
+    res = data["results"]
+    labels = [x["label"].replace(" (single stream)", "") for x in loads]
+    panels = [("output tokens/s", lambda s: s["tokens_per_s"]), ("ITL p50 (ms)", lambda s: s["itl_ms"]["p50"]),
+              ("ITL p99 (ms)", lambda s: s["itl_ms"]["p99"]), ("TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"]),
+              ("end-to-end p50 (s)", lambda s: s["e2e_s"]["p50"])]
+    fig, axes = _grid(plt, len(panels))
+    for ax, (title, get) in zip(axes, panels, strict=False):
+        for cfg, per_load in res.items():
+            ys = [get(per_load[x["name"]]) if x["name"] in per_load else np.nan for x in loads]
+            ax.plot(range(len(loads)), ys, marker="o", label=names[cfg], ls="--" if cfg == "hf" else "-")
+        ax.set_xticks(range(len(loads)), labels, rotation=30, fontsize=8)
+        ax.set_title(title)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    _legend(fig, axes, len(panels))
+    fig.suptitle("latency and throughput against load (anchor: one request at a time)")
+    fig.tight_layout()
+    written.append(_save(fig, out / "load.png", plt))
+    return written
+
+
+def _grid(plt, n: int) -> tuple:  # noqa: ANN001
+    """Panels in rows of three, with one more cell for the legend."""
+    rows = n // 3 + 1
+    fig, axes = plt.subplots(rows, 3, figsize=(14, 4.2 * rows), squeeze=False)
+    return fig, list(axes.flat)
+
+
+def _legend(fig, axes: list, used: int) -> None:  # noqa: ANN001
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[used:]:
+        ax.axis("off")
+    axes[used].legend(handles, labels, loc="center", fontsize=9, frameon=False)
+
+
+def _save(fig, path: Path, plt) -> Path:  # noqa: ANN001
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,60 @@
+"""The router's /metrics before and after a load, and what their difference says."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def delta(before: Samples, after: Samples) -> Samples:
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def _get(d: Samples, name: str, **labels: str) -> float:
+    """Sum over every series of `name` that carries these labels (and maybe others, e.g. a replica)."""
+    want = set(labels.items())
+    return sum(v for (n, lbl), v in d.items() if n == name and want <= set(lbl))
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else math.nan
+
+
+def derive(d: Samples, wall: float) -> dict[str, float]:
+    """Engine-side figures of one load, from the counter and histogram deltas over `wall` seconds.
+    step_time{part}: target = the target's own forward time; draft = draft calls on the critical
+    path (before the Step); router = the rest of the step (RPCs, Python, waiting for a pipelined
+    draft that outlasts the target)."""
+    st = "tandem:step_time_seconds"
+    steps = _get(d, f"{st}_count", part="target")
+    drafted = _get(d, "tandem:spec_decode_num_draft_tokens_total")
+    return {
+        "steps": steps,
+        "steps_per_s": _ratio(steps, wall),
+        "tokens_per_step": _ratio(_get(d, "tandem:step_tokens_sum"), _get(d, "tandem:step_tokens_count")),
+        "target_ms_per_step": 1000 * _ratio(_get(d, f"{st}_sum", part="target"), steps),
+        "draft_ms_per_step": 1000 * _ratio(_get(d, f"{st}_sum", part="draft"), steps),
+        "router_ms_per_step": 1000 * _ratio(_get(d, f"{st}_sum", part="router"), steps),
+        "target_busy": _ratio(_get(d, f"{st}_sum", part="target"), wall),
+        "acceptance": _ratio(_get(d, "tandem:spec_decode_num_accepted_tokens_total"), drafted),
+        "draft_tokens_per_verify": _ratio(drafted, _get(d, "tandem:spec_decode_num_drafts_total")),
+        "emitted_per_step": _ratio(_get(d, "tandem:spec_decode_emitted_tokens_per_step_sum"),
+                                   _get(d, "tandem:spec_decode_emitted_tokens_per_step_count")),
+        "pipeline_hit_rate": _ratio(_get(d, "tandem:pipeline_hits_total"), _get(d, "tandem:pipeline_lookups_total")),
+        "draft_fallbacks": _get(d, "tandem:draft_fallbacks_total"),
+        "preemptions": _get(d, "tandem:num_preemptions_total"),
+        "generation_tokens": _get(d, "tandem:generation_tokens_total"),
+    }

@@ -1,0 +1,93 @@
+"""One Tandem configuration: start target (+ draft) + router with router.launch.Stack on free
+loopback ports, warm it up, drive every load with /metrics scraped around it, stop it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import prom
+from bench.client import RequestResult, run_load, warm_up
+from bench.stats import Config, itl_samples, summarize
+from bench.workload import Load, Prompt
+from router.launch import Stack, free_port
+
+
+@dataclass
+class Settings:
+    models: Path
+    budget: int
+    k_max: int
+    threads: int
+    log_dir: Path
+
+
+@dataclass
+class LoadRun:
+    load: Load
+    results: list[RequestResult]
+    summary: dict
+    itl: list[float]
+
+
+def _draft_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2.0) as r:  # noqa: S310 - loopback only
+            return bool(json.loads(r.read()).get("draft_available"))
+    except OSError:
+        return False
+
+
+def start_stack(cfg: Config, s: Settings) -> Stack:
+    log_dir = s.log_dir / f"config-{cfg.key}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for f in log_dir.glob("*.log"):
+        f.unlink()
+    service_args = ["--threads", str(s.threads)] if s.threads else []
+    router_args = [*cfg.flags, "--max-num-batched-tokens", str(s.budget), "--k-max", str(s.k_max),
+                   "--max-waiting", "4096", "--log-level", "WARNING"]
+    stack = Stack(s.models, draft=cfg.draft, http_port=free_port(), grpc_port=free_port(), target_port=free_port(),
+                  draft_port=free_port(), service_args=service_args, router_args=router_args, log_dir=log_dir)
+    try:
+        stack.start(timeout=300.0)
+        deadline = time.monotonic() + 60.0
+        while cfg.draft and not _draft_up(stack.url):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"config ({cfg.key}): the router never reported the draft available")
+            time.sleep(0.2)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def run_config(cfg: Config, s: Settings, model_name: str, loads: list[tuple[Load, list[Prompt], list[float]]],
+               rate_of: Callable[[Load, list[LoadRun]], float], warm: list[Prompt],
+               on_done: Callable[[RequestResult], None], on_load: Callable[[Load], None]) -> list[LoadRun]:
+    """rate_of(load, runs so far) gives an open-loop load its arrival rate just before it runs."""
+    stack = start_stack(cfg, s)
+    runs = []
+    try:
+        asyncio.run(warm_up(stack.url, model_name, warm))
+        for load, requests, arrivals in loads:
+            on_load(load)
+            rate = rate_of(load, runs) if load.kind == "open" else 0.0
+            before = prom.scrape(stack.url)
+            results, wall = asyncio.run(run_load(stack.url, model_name, load, requests, rate, arrivals, on_done))
+            after = prom.scrape(stack.url)
+            summary = summarize(results, wall)
+            summary["engine"] = prom.derive(prom.delta(before, after), wall)
+            if load.kind == "open":
+                summary["rate_req_s"] = rate
+            runs.append(LoadRun(load, results, summary, itl_samples(results)))
+    finally:
+        codes = stack.stop()
+        bad = {n: c for n, c in codes.items() if c not in (0, -15)}
+        if bad:
+            print(f"config ({cfg.key}): processes exited with {bad}; logs in {s.log_dir}/config-{cfg.key}")
+    return runs
