@@ -4,8 +4,10 @@ gRPC), each on its own loopback port and event-loop thread. Real sockets, real p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,3 +119,22 @@ def complete(url: str, prompt: list[int] | str, max_tokens: int, **extra) -> dic
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+@contextlib.contextmanager
+def running_stack(model_pair: tuple[Path, Path], config: RouterConfig) -> Iterator[dict]:
+    """Target + draft + router on loopback for one test (or module); everything stopped after.
+    Yields router, target/draft runners, the RunningServers as `parts` (tests may replace them
+    after a restart), and the model dirs."""
+    target_dir, draft_dir = model_pair
+    target, trunner = start_target(target_dir)
+    draft, drunner = start_draft(draft_dir)
+    parts = {"target": target, "draft": draft}
+    router = start_router(config, target.address, draft.address, target_dir)
+    try:
+        yield {"router": router, "target": trunner, "draft": drunner, "parts": parts, "dirs": model_pair}
+    finally:
+        router.stop()
+        for part in parts.values():
+            if part.thread.is_alive():
+                part.stop()

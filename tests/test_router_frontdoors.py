@@ -24,7 +24,7 @@ from router.chat import ChatFormatter
 from router.config import RouterConfig
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.conftest import hf_greedy, hf_logits
-from tests.stack import start_draft, start_router, start_target, wait_until
+from tests.stack import running_stack, start_router, wait_until
 
 MAX_MODEL_LEN = 512  # model_pair's max_position_embeddings
 TEXT_PROMPT = "def fill(text, width=70, **kwargs):\n    "
@@ -33,18 +33,10 @@ IDS_PROMPT = [(11 * j) % 300 + 2 for j in range(23)]
 
 @pytest.fixture(scope="module")
 def stack(model_pair):
-    target_dir, draft_dir = model_pair
-    target, trunner = start_target(target_dir)
-    draft, drunner = start_draft(draft_dir)
-    parts = {"target": target, "draft": draft}
-    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=8, draft_timeout_s=2.0,
-                                       target_grace_s=2.0), target.address, draft.address, target_dir)
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    yield {"router": router, "target": trunner, "draft": drunner, "parts": parts, "dirs": model_pair, "tok": tok}
-    router.stop()
-    for p in parts.values():
-        if p.thread.is_alive():
-            p.stop()
+    config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=8, draft_timeout_s=2.0, target_grace_s=2.0)
+    with running_stack(model_pair, config) as s:
+        s["tok"] = AutoTokenizer.from_pretrained(model_pair[0])
+        yield s
 
 
 def encode(tok, text: str) -> list[int]:  # noqa: ANN001

@@ -11,7 +11,7 @@ import pytest
 
 from router.config import RouterConfig
 from tests.conftest import hf_greedy
-from tests.stack import complete, start_draft, start_router, start_target, wait_until
+from tests.stack import complete, running_stack, start_draft, start_router, start_target, wait_until
 
 
 def prompts(n: int, vocab: int = 320) -> list[list[int]]:
@@ -30,17 +30,9 @@ def metric(url: str, name: str) -> float:
 
 @pytest.fixture()
 def stack(model_pair):
-    target_dir, draft_dir = model_pair
-    target, trunner = start_target(target_dir)
-    draft, drunner = start_draft(draft_dir)
-    parts = {"target": target, "draft": draft}
-    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=16, draft_timeout_s=2.0,
-                                       target_grace_s=20.0), target.address, draft.address, target_dir)
-    yield {"router": router, "target": trunner, "draft": drunner, "parts": parts, "dirs": model_pair}
-    router.stop()
-    for p in parts.values():
-        if p.thread.is_alive():
-            p.stop()
+    config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=16, draft_timeout_s=2.0, target_grace_s=20.0)
+    with running_stack(model_pair, config) as s:
+        yield s
 
 
 def test_16_concurrent_greedy_requests_match_transformers(stack):
