@@ -35,9 +35,10 @@ chunk with n tokens counts n intervals of dt/n), end-to-end latency, output toke
 /metrics deltas: acceptance rate, emitted tokens per step, pipeline hit rate, target busy
 fraction (target forward time / wall time), draft and router+RPC time per step.
 
-Writes OUT/results.json, OUT/results.md, OUT/itl_cdf.png and OUT/load.png (plots need matplotlib),
-service logs under OUT/logs/. Prints the summary ratios. Exit 1 if outputs differ across configs
-or requests failed. About 20 min for the full run and 3 min with --quick on a 2-core machine.
+Writes OUT/results.json, OUT/itl_samples.json, OUT/results.md, OUT/itl_cdf.png and OUT/load.png
+(plots need matplotlib; --replot redraws them from a saved run), service logs under OUT/logs/.
+Prints the summary ratios. Exit 1 if outputs differ across configs or requests failed.
+About 20 min for the full run and 3 min with --quick on a 2-core machine.
 """
 
 
@@ -63,11 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    import json
-
-    from bench import plots
+    from bench import plots, report
     if args.replot:
-        data = json.loads(args.replot.read_text())
+        data = report.load(args.replot)
         for path in plots.plot(data, args.replot.parent, args.replot):
             print(f"wrote {path}")
         return 0
@@ -143,7 +142,9 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
             results[cfg.key][lr.load.name] = lr.summary
             samples[cfg.key][lr.load.name] = lr.itl
             check.check(f"({cfg.key}) {lr.load.name}", lr.results)
-        bar.write(f"({cfg.key}) done, {(time.monotonic() - t_start) / 60:.1f} min elapsed")
+        elapsed, done = time.monotonic() - t_start, configs.index(cfg) + 1
+        left = (len(configs) - done + (0.6 if with_anchor else 0)) * elapsed / done  # the anchor: ~0.6 config
+        bar.write(f"({cfg.key}) done: {elapsed / 60:.1f} min elapsed, ETA ~{left / 60:.1f} min")
 
     agreement = "not run"
     if with_anchor:
@@ -163,7 +164,6 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
             samples["hf"][load.name] = itl_samples(rs)
     bar.close()
 
-    mixed = max((ld for ld in plan.loads if ld.kind == "open"), key=lambda ld: ld.rate_frac, default=plan.loads[-1])
     data = {
         "meta": {"command": "python -m bench " + shlex.join(argv),
                  "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
                             "concurrency": ld.concurrency, "rate_frac": ld.rate_frac} for ld in plan.loads]},
         "workload": workload.pool_summary(pool),
         "results": results, "correctness": check.report(), "anchor_agreement": agreement,
-        "ratios": ratios(results, mixed.name), "itl_samples": samples,
+        "ratios": ratios(results, plan.mixed), "itl_samples": samples,
     }
     js, md = report.write(args.out, data)
     pngs = plots.plot(data, args.out, js)

@@ -48,7 +48,8 @@ def plot(data: dict, out: Path, json_path: Path) -> list[Path]:
     fig, axes = _grid(plt, len(panels))
     for ax, (title, get) in zip(axes, panels, strict=False):
         for cfg, per_load in res.items():
-            ys = [get(per_load[x["name"]]) if x["name"] in per_load else np.nan for x in loads]
+            ys = [get(per_load[x["name"]]) if x["name"] in per_load else None for x in loads]
+            ys = [np.nan if y is None else y for y in ys]
             ax.plot(range(len(loads)), ys, marker="o", label=names[cfg], ls="--" if cfg == "hf" else "-")
         ax.set_xticks(range(len(loads)), labels, rotation=30, fontsize=8)
         ax.set_title(title)

@@ -1,4 +1,4 @@
-"""results.json (everything, including ITL samples for the plots) and results.md (the tables)."""
+"""results.json, itl_samples.json (for the plots) and results.md (the tables)."""
 
 from __future__ import annotations
 
@@ -73,9 +73,31 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _finite(x: object) -> object:
+    """NaN (a ratio with nothing under it) becomes null: strict JSON."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def load(js: Path) -> dict:
+    """A saved run, with the ITL samples the plots need (itl_samples.json beside it)."""
+    data = json.loads(js.read_text())
+    samples = js.parent / "itl_samples.json"
+    data["itl_samples"] = json.loads(samples.read_text()) if samples.is_file() else {}
+    return data
+
+
 def write(out: Path, data: dict) -> tuple[Path, Path]:
+    """results.json (everything but the ITL samples), itl_samples.json (ms per token), results.md."""
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / "results.json", out / "results.md"
-    js.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n")
+    rest = {k: v for k, v in data.items() if k != "itl_samples"}
+    js.write_text(json.dumps(_finite(rest), indent=1, allow_nan=False) + "\n")
+    (out / "itl_samples.json").write_text(json.dumps(data["itl_samples"], separators=(",", ":")) + "\n")
     md.write_text(markdown(data))
     return js, md

@@ -121,10 +121,11 @@ def ratios(res: dict, mixed: str) -> dict:
 
 
 def ratio_lines(r: dict) -> list[str]:
-    f = "{:.2f}x".format
+    def f(x: float) -> str:
+        return "n/a" if math.isnan(x) else f"{x:.2f}x"
 
     def per(d: dict, fmt: str = "{:.2f}x") -> str:
-        return ", ".join(f"({k}) {fmt.format(v)}" for k, v in d.items() if not math.isnan(v))
+        return ", ".join(f"({k}) {fmt.format(v)}" for k, v in d.items() if not math.isnan(v)) or "n/a"
 
     return [
         f"single-stream ITL p50, (1) / (6): {f(r['single_stream_itl_speedup_6_vs_1'])}  "

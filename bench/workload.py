@@ -49,16 +49,18 @@ class Plan:
     loads: tuple[Load, ...]
     pool_size: int
     out_tokens: tuple[int, int]  # max_tokens drawn uniformly from this range (ignore_eos: exact)
+    mixed: str  # the open-loop load the "mixed load" ratios quote
 
 
 def plan(quick: bool) -> Plan:
     if quick:
         loads = (Load("c1", "closed", 4, 1), Load("c4", "closed", 8, 4), Load("c16", "closed", 16, 16),
                  Load("poisson-0.8", "open", 12, rate_frac=0.8))
-        return Plan(loads, 16, (24, 48))
-    loads = (Load("c1", "closed", 8, 1), Load("c4", "closed", 16, 4), Load("c16", "closed", 32, 16),
-             Load("poisson-0.4", "open", 20, rate_frac=0.4), Load("poisson-0.8", "open", 24, rate_frac=0.8))
-    return Plan(loads, 32, (48, 96))
+        return Plan(loads, 16, (24, 48), "poisson-0.8")
+    loads = (Load("c1", "closed", 12, 1), Load("c4", "closed", 24, 4), Load("c16", "closed", 48, 16),
+             Load("poisson-0.3", "open", 24, rate_frac=0.3), Load("poisson-0.6", "open", 24, rate_frac=0.6),
+             Load("poisson-0.9", "open", 24, rate_frac=0.9))
+    return Plan(loads, 48, (48, 96), "poisson-0.6")
 
 
 def model_facts(models: Path) -> dict:
