@@ -42,9 +42,21 @@ About 20 min for the full run and 3 min with --quick on a 2-core machine.
 """
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from bench.workload import plan
+
+    def describe(quick: bool) -> str:
+        pl = plan(quick)
+        return (", ".join(f"{ld.label} x{ld.n_requests}" for ld in pl.loads)
+                + f"; outputs {pl.out_tokens[0]}-{pl.out_tokens[1]} tokens; {pl.pool_size} distinct prompts")
+
+    epilog = (f"loads of a full run: {describe(False)}\nloads with --quick:  {describe(True)}\n"
+              "example: python -m bench --quick --models models/tiny --out /tmp/bench   (harness check only)")
+    p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION, epilog=epilog, formatter_class=_Help)
     p.add_argument("--quick", action="store_true", help="fewer and shorter requests (~3 min): for iteration")
     p.add_argument("--models", type=Path, default=Path("models/demo"),
                    help="directory with target/, draft/ and report.json (`make models`; models/tiny to develop)")
