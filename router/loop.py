@@ -19,7 +19,7 @@ from router.core import FinishReason, Sequence, TokenLogprob
 from router.drafting import DraftLane, ProposalRequest
 from router.metrics import Metrics
 from router.scheduler import Scheduler, StepPlan
-from router.spec_policy import AcceptanceTracker, StepCostModel, choose_k
+from router.spec_policy import AcceptanceTracker, DraftCost, StepCostModel, choose_k
 from tandem.v1 import target_pb2
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class StepLoop:
         self._emit = emit
         self._on_target_lost = on_target_lost
         self.cost = StepCostModel()
+        self.draft_cost = DraftCost(pipelined=config.pipeline)
         self.trackers: dict[int, AcceptanceTracker] = {}
         self.next_k: dict[int, int] = {}  # desired k per sequence, sizes its next proposal
         self.steps = 0
@@ -68,7 +69,7 @@ class StepLoop:
         if self.config.dynamic_k:
             dyn = [i for i, s in enumerate(decoders) if not self._reproducible(s)]
             rates = [self._tracker(decoders[i]).rate for i in dyn]
-            chosen = choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost)
+            chosen = choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost, self.draft_cost)
             for i, k in zip(dyn, chosen, strict=True):
                 caps[i] = k
         for seq, k in zip(decoders, caps, strict=True):
@@ -111,8 +112,10 @@ class StepLoop:
         if self.draft.up:
             chunks = [(c.seq, list(c.seq.tokens), c.end) for c in plan.chunks]
             draft_task = asyncio.create_task(self._draft_during_step(chunks, self._optimistic_requests(plan, sent)))
+        t_target = time.perf_counter()
         try:
             response = await self.target.step(entries)
+            target_wall_ms = (time.perf_counter() - t_target) * 1000
         except CacheMissError as err:
             log.warning("target lost the cache of %s: recomputing them", err.seq_ids)
             for seq in self.scheduler.running:
@@ -129,9 +132,11 @@ class StepLoop:
         if response is not None:
             self._apply(plan, sent, response)
         if draft_task is not None:
+            t_wait = time.perf_counter()
             await draft_task
+            draft_ms += (time.perf_counter() - t_wait) * 1000  # the draft outlasted the target: critical path
         if response is not None:
-            self._record(plan, sent, response, draft_ms, t_start)
+            self._record(plan, response, draft_ms, target_wall_ms, t_start)
         return True
 
     def _entries(self, plan: StepPlan) -> tuple[list[target_pb2.StepEntry], list[list[int]]]:
@@ -165,14 +170,23 @@ class StepLoop:
         lacking = [s for s in running if self.spec_cap(s) > 0 and not s.proposal()]
         if not lacking:
             return 0.0
+        self._choose_ks(running, 0)  # sizes proposals; a sequence the policy holds at k = 0 needs none
+        lacking = [s for s in lacking if self.next_k.get(s.seq_id, 0) > 0]
+        if not lacking:
+            return 0.0
         if self.config.pipeline:
             others = any(s.prefilling for s in self.scheduler.running) or len(lacking) < len(running)
             lacking = [s for s in lacking if not others or not self._decode_ready(s)]
             if others and not lacking:
                 return 0.0
-        self._choose_ks(running, 0)
-        requests = [ProposalRequest(s, list(s.tokens), max(1, self.next_k.get(s.seq_id, 1))) for s in lacking]
-        return await self.draft.propose(requests, {s.seq_id: s.request.sampling.to_proto() for s in lacking})
+        requests = [ProposalRequest(s, list(s.tokens), self.next_k[s.seq_id]) for s in lacking]
+        return await self._propose(requests)
+
+    async def _propose(self, requests: list[ProposalRequest]) -> float:
+        ms = await self.draft.propose(requests, {r.seq.seq_id: r.seq.request.sampling.to_proto() for r in requests})
+        if requests:
+            self.draft_cost.observe(ms, max(r.k for r in requests))
+        return ms
 
     def _optimistic_requests(self, plan: StepPlan, sent: list[list[int]]) -> list[ProposalRequest]:
         """Next proposals, drafted while the target scores this step. Bases are captured now,
@@ -192,8 +206,7 @@ class StepLoop:
     async def _draft_during_step(self, chunks: list[tuple[Sequence, list[int], int]],
                                  requests: list[ProposalRequest]) -> None:
         await self.draft.sync(chunks)
-        specs = {r.seq.seq_id: r.seq.request.sampling.to_proto() for r in requests}
-        await self.draft.propose(requests, specs)
+        await self._propose(requests)
 
     # ---- results -------------------------------------------------------------------------------
     def _apply(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse) -> None:
@@ -220,11 +233,11 @@ class StepLoop:
             if c.emit:
                 self._emit(c.seq, list(res.tokens), _logprobs(res))
 
-    def _record(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse,
-                draft_ms: float, t_start: float) -> None:
+    def _record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
+                t_start: float) -> None:
         self.steps += 1
         tokens = plan.num_tokens
-        self.cost.observe(tokens, response.forward_ms)
+        self.cost.observe(tokens, target_wall_ms)  # wall time, RPC included: comparable with the draft's
         self.metrics.step_tokens.observe(tokens)
         total_ms = (time.perf_counter() - t_start) * 1000
         self.metrics.step_time.labels(part="target").observe(response.forward_ms / 1000)

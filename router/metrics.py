@@ -26,8 +26,10 @@ class Metrics:
         self.preemptions = Counter("tandem:num_preemptions", "Sequences preempted for recompute", registry=r)
         self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks reserved by the router",
                               ["service"], registry=r)
-        self.step_time = Histogram("tandem:step_time_seconds", "Step time by part: target forward, draft "
-                                   "(calls on the critical path), router (everything else)", ["part"], registry=r,
+        self.step_time = Histogram("tandem:step_time_seconds", "Step time by part: target = its forward "
+                                   "pass, draft = draft time on the critical path (sequential proposals, and "
+                                   "waiting for the draft after the target answered), router = the rest (router "
+                                   "Python, gRPC and the services' own request handling)", ["part"], registry=r,
                                    buckets=_LATENCY_BUCKETS)
         self.step_tokens = Histogram("tandem:step_tokens", "Tokens scored per target step", registry=r,
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))

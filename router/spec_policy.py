@@ -11,7 +11,7 @@ a sequence whose drafts keep failing has a small a and drops to 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -62,33 +62,69 @@ class StepCostModel:
         self._sxx = decay * self._sxx + tokens * tokens
         self._sxy = decay * self._sxy + tokens * ms
         var = self._n * self._sxx - self._sx**2
-        if self._n > 4 and var > 1e-6 * max(1.0, self._sxx * self._n):
+        if self._n <= 4:
+            return
+        if var > 1e-6 * max(1.0, self._sxx * self._n):
             beta = (self._n * self._sxy - self._sx * self._sy) / var
             alpha = (self._sy - beta * self._sx) / self._n
             if beta > 0 and alpha > 0:
                 self.alpha, self.beta = alpha, beta
+                return
+        # one size seen so far: keep the slope, fit the level so the mean is right
+        alpha = (self._sy - self.beta * self._sx) / self._n
+        if alpha > 0:
+            self.alpha = alpha
 
     def step_ms(self, tokens: int) -> float:
         return self.alpha + self.beta * tokens
 
 
-def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCostModel) -> list[int]:
-    """Per-sequence k maximising (base_tokens + sum(E_i(k_i))) / t(base_tokens + sum(1 + k_i)), k_i <= caps[i].
+@dataclass
+class DraftCost:
+    """What drafting adds to a step: a Propose call of r batched rounds costs alpha + beta * r
+    (fitted like the target's), and a step drafts max_k + 1 rounds for the next one (its drafts
+    plus the bonus guess). Pipelined, the slower of target and draft paces the step."""
+
+    model: StepCostModel = field(default_factory=lambda: StepCostModel(alpha=1.0, beta=0.5))
+    pipelined: bool = True
+
+    def observe(self, ms: float, rounds: int) -> None:
+        if rounds > 0:
+            self.model.observe(rounds, ms)
+
+    def step_ms(self, target_ms: float, max_k: int) -> float:
+        if max_k == 0:
+            return target_ms
+        draft_ms = self.model.step_ms(max_k + 1)
+        return max(target_ms, draft_ms) if self.pipelined else target_ms + draft_ms
+
+
+def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCostModel,
+             draft: DraftCost | None = None) -> list[int]:
+    """Per-sequence k maximising (base_tokens + sum(E_i(k_i))) / t, each k_i <= caps[i], where t is
+    the target's step time t(base_tokens + sum(1 + k_i)) combined with the draft's max_k + 1 rounds
+    (overlapped when pipelining: the slower of the two paces the step).
 
     base_tokens: tokens already in the step that are not verifications (prompt chunks). They count as
     useful work: a draft token is worth scoring only if its expected yield beats the step's per-token
     rate, else it merely delays prefill (and in a full budget it displaces prompt tokens one for one)."""
+    draft = draft or DraftCost()
     ks = [0] * len(rates)
     tokens = base_tokens + len(rates)
+
+    def step_ms(tokens: int, max_k: int) -> float:
+        return draft.step_ms(cost.step_ms(tokens), max_k)
+
     gain = base_tokens + sum(expected_tokens(a, 0) for a in rates)
-    best = gain / cost.step_ms(tokens)
+    best = gain / step_ms(tokens, 0)
     while True:
         pick, pick_goodput = -1, best
+        max_k = max(ks, default=0)
         for i, a in enumerate(rates):
             if ks[i] >= caps[i]:
                 continue
             g = gain - expected_tokens(a, ks[i]) + expected_tokens(a, ks[i] + 1)
-            goodput = g / cost.step_ms(tokens + 1)
+            goodput = g / step_ms(tokens + 1, max(max_k, ks[i] + 1))
             if goodput > pick_goodput * 1.0001:
                 pick, pick_goodput = i, goodput
         if pick < 0:

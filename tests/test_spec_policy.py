@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.spec_policy import AcceptanceTracker, StepCostModel, choose_k, expected_tokens
+from router.spec_policy import AcceptanceTracker, DraftCost, StepCostModel, choose_k, expected_tokens
 
 CPU = StepCostModel(alpha=10.0, beta=1.2)  # compute-bound: every scored token costs (the module's prior)
 GPU = StepCostModel(alpha=20.0, beta=0.02)  # memory-bound: scoring more tokens is nearly free
@@ -124,17 +124,21 @@ def test_cost_model_follows_a_change_of_regime():
     assert m.alpha == pytest.approx(12.0, rel=0.02) and m.beta == pytest.approx(0.8, rel=0.02)
 
 
-def test_cost_model_keeps_its_prior_until_the_data_determine_a_line():
+def test_cost_model_keeps_its_slope_until_the_data_determine_a_line():
     m = StepCostModel()
     for _ in range(3):
         m.observe(10, 50.0)
     assert (m.alpha, m.beta) == (10.0, 1.2), "too few observations"
     for _ in range(50):
         m.observe(10, 50.0)
-    assert (m.alpha, m.beta) == (10.0, 1.2), "one batch size says nothing about the slope"
+    # one batch size says nothing about the slope, but it does say how expensive a step is
+    assert m.beta == 1.2 and m.alpha == pytest.approx(50.0 - 1.2 * 10)
+    assert m.step_ms(10) == pytest.approx(50.0)
+    m = StepCostModel()
     for n in itertools.islice(itertools.cycle([1, 50]), 50):
         m.observe(n, 100.0 - n)
-    assert (m.alpha, m.beta) == (10.0, 1.2), "a step that gets cheaper with more tokens is noise, not a model"
+    # a step that gets cheaper with more tokens is noise, not a slope: only the level is taken
+    assert m.beta == 1.2 and m.step_ms(25.5) == pytest.approx(100.0 - 25.5, rel=0.01)
 
 
 # ---- choosing k ----------------------------------------------------------------------------------
@@ -199,3 +203,25 @@ def test_choose_k_matches_a_brute_force_optimum(rates, caps, base, beta):
     caps = caps[: len(rates)]
     optimum = max(goodput(rates, list(ks), base, cost) for ks in itertools.product(*(range(c + 1) for c in caps)))
     assert goodput(rates, choose_k(rates, caps, base, cost), base, cost) >= optimum * (1 - 1e-3)
+
+
+def test_an_expensive_draft_shrinks_k_and_pipelining_hides_a_cheap_one():
+    target = StepCostModel(alpha=10.0, beta=0.5)
+    rates, caps = [0.8] * 4, [8] * 4
+    free = choose_k(rates, caps, 0, target)
+    cheap = DraftCost(StepCostModel(alpha=0.5, beta=0.5), pipelined=True)  # 8 rounds fit inside one step
+    costly = DraftCost(StepCostModel(alpha=1.0, beta=4.0), pipelined=True)  # 3 rounds already outlast it
+    serial = DraftCost(StepCostModel(alpha=0.5, beta=0.5), pipelined=False)
+    assert choose_k(rates, caps, 0, target, cheap) == free
+    assert max(choose_k(rates, caps, 0, target, costly)) < max(free)
+    assert sum(choose_k(rates, caps, 0, target, serial)) <= sum(free)
+
+
+def test_draft_cost_is_fitted_from_calls_of_different_sizes():
+    d = DraftCost()
+    for rounds in itertools.islice(itertools.cycle([2, 3, 5]), 30):
+        d.observe(0.7 + 1.3 * rounds, rounds)
+    assert d.model.alpha == pytest.approx(0.7, rel=0.05) and d.model.beta == pytest.approx(1.3, rel=0.05)
+    assert d.step_ms(target_ms=20.0, max_k=4) == 20.0  # hidden behind the target
+    assert d.step_ms(target_ms=2.0, max_k=4) == pytest.approx(0.7 + 1.3 * 5, rel=0.05)
+    assert d.step_ms(target_ms=2.0, max_k=0) == 2.0  # no drafting, no cost
