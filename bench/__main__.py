@@ -136,6 +136,9 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
     results: dict[str, dict] = {}
     samples: dict[str, dict] = {}
     loadavg_start = os.getloadavg()
+    if loadavg_start[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {loadavg_start[0]:.1f} on {os.cpu_count()} cores before starting: something "
+              "else is running, and these numbers will carry its noise (the load average is recorded)")
     bar = tqdm(total=total, unit="req", dynamic_ncols=True, smoothing=0.05)
 
     def rate_of(load: workload.Load, done: list[LoadRun]) -> float:
