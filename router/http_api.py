@@ -156,7 +156,8 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             return error(503, "target unavailable", kind="unavailable")
         lanes = list(engine.lanes.values())
         return JSONResponse({"status": "ready", "target": lanes[0].name, "draft": lanes[0].draft_address,
-                             "draft_available": all(lane.draft.up for lane in lanes if lane.draft_address),
+                             "draft_available": any(lane.draft_address for lane in lanes)
+                             and all(lane.draft.up for lane in lanes if lane.draft_address),
                              "replicas": [{"target": lane.name, "target_up": lane.up, "draft": lane.draft_address,
                                            "draft_up": lane.draft.up} for lane in lanes]})
 

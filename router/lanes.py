@@ -122,7 +122,8 @@ async def connect_lane(config: RouterConfig, metrics: Metrics, address: str, dra
 def publish_gauges(lanes: list[Lane], metrics: Metrics) -> None:
     """Queue, running and KV gauges, in total and per replica."""
     metrics.target_up.set(int(any(lane.up for lane in lanes)))
-    metrics.draft_up.set(int(all(lane.draft.up for lane in lanes if lane.draft.client is not None)))
+    drafts = [lane.draft.up for lane in lanes if lane.draft.client is not None]
+    metrics.draft_up.set(int(bool(drafts) and all(drafts)))
     metrics.waiting.set(sum(len(lane.scheduler.waiting) for lane in lanes))
     metrics.running.set(sum(len(lane.scheduler.running) for lane in lanes))
     used = {"target": 0, "draft": 0}
