@@ -24,7 +24,7 @@ from .tokenizer import BOS_ID, EOS_ID, PAD_ID, copy_tokenizer, encode_documents,
 from .train import ModelShape, TrainSchedule
 
 # Bump when the recipe changes in a way the settings below do not capture.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -40,16 +40,20 @@ class Settings:
     # target
     target_shape: ModelShape
     target_train: TrainSchedule
-    # distillation data: corpus prompts continued greedily by the target
-    distill_seqs: int
+    # distillation data, labelled by the target: corpus prompts it continued greedily, plus
+    # plain corpus windows; the draft learns the target's top-k distribution at every position
+    distill_generated: int
+    distill_corpus: int
     distill_seq_len: int
     distill_prompt_lens: tuple[int, ...]
     distill_gen_batch: int
     distill_top_k: int
+    distill_max_seconds: float
     # draft
     draft_shape: ModelShape
     draft_train: TrainSchedule
-    soft_weight: float
+    hard_weight: float  # cross-entropy to the target's greedy (top-1) token
+    soft_weight: float  # cross-entropy to the target's top-k distribution
     # evaluation
     eval_prompts: int
     eval_prompt_len: int
@@ -73,14 +77,17 @@ VARIANTS: dict[str, Settings] = {
         vocab_size=4096,
         max_positions=1024,
         target_shape=ModelShape(layers=8, hidden=256, intermediate=768, heads=4, kv_heads=2),
-        target_train=TrainSchedule(steps=360, batch=16, seq_len=256, lr=2e-3, warmup=30, max_seconds=480),
-        distill_seqs=1024,
+        target_train=TrainSchedule(steps=480, batch=16, seq_len=256, lr=2e-3, warmup=30, max_seconds=540),
+        distill_generated=1024,
+        distill_corpus=512,
         distill_seq_len=256,
         distill_prompt_lens=(32, 64, 96, 128),
         distill_gen_batch=64,
         distill_top_k=16,
-        draft_shape=ModelShape(layers=1, hidden=192, intermediate=512, heads=3, kv_heads=3),
-        draft_train=TrainSchedule(steps=400, batch=32, seq_len=255, lr=3e-3, warmup=20, max_seconds=240),
+        distill_max_seconds=150,
+        draft_shape=ModelShape(layers=1, hidden=128, intermediate=384, heads=2, kv_heads=2),
+        draft_train=TrainSchedule(steps=300, batch=32, seq_len=255, lr=3e-3, warmup=20, max_seconds=150),
+        hard_weight=0.25,
         soft_weight=1.0,
         eval_prompts=32,
         eval_prompt_len=128,
@@ -101,13 +108,16 @@ VARIANTS: dict[str, Settings] = {
         max_positions=512,
         target_shape=ModelShape(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1),
         target_train=TrainSchedule(steps=8, batch=4, seq_len=64, lr=3e-3, warmup=2),
-        distill_seqs=16,
+        distill_generated=16,
+        distill_corpus=8,
         distill_seq_len=48,
         distill_prompt_lens=(16, 24),
         distill_gen_batch=8,
         distill_top_k=8,
+        distill_max_seconds=0,
         draft_shape=ModelShape(layers=1, hidden=32, intermediate=64, heads=1, kv_heads=1),
         draft_train=TrainSchedule(steps=8, batch=8, seq_len=47, lr=3e-3, warmup=2),
+        hard_weight=0.25,
         soft_weight=1.0,
         eval_prompts=4,
         eval_prompt_len=16,
@@ -131,6 +141,7 @@ def settings_hash(settings: Settings, corpus_fingerprint: str) -> str:
     payload["settings"].pop("notes", None)
     for key in ("target_train", "draft_train"):  # a safety cap, not a recipe setting
         payload["settings"][key].pop("max_seconds", None)
+    payload["settings"].pop("distill_max_seconds", None)
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -174,6 +185,7 @@ def build(variant: str, out_dir: str, force: bool = False, time_caps: bool = Tru
             settings,
             target_train=dataclasses.replace(settings.target_train, max_seconds=0.0),
             draft_train=dataclasses.replace(settings.draft_train, max_seconds=0.0),
+            distill_max_seconds=0.0,
         )
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
@@ -193,7 +205,8 @@ def _build(settings: Settings, out_dir: str, force: bool, log) -> tuple[dict, bo
         old = load_report(report_path)
         if old.get("settings_hash") == digest:
             log(f"cached: {out_dir} was built with the same settings ({digest}); nothing to do")
-            if any(old[m]["training"]["stopped_by_time_cap"] for m in ("target", "draft")):
+            capped = [old[m]["training"]["stopped_by_time_cap"] for m in ("target", "draft")]
+            if any(capped) or old["draft"]["distill_data"]["stopped_by_time_cap"]:
                 log("warning: that build stopped training at a time cap; --force rebuilds it")
             return old, True
     if os.path.isfile(report_path):
@@ -228,19 +241,23 @@ def _build(settings: Settings, out_dir: str, force: bool, log) -> tuple[dict, bo
         save_model(target, stage_dir)
         save_report(stage_marker, {"settings_hash": digest, "training": target_info})
 
-    # Draft: distilled from the target on its own greedy continuations of corpus prompts.
+    # Draft: distilled from the target, mostly on its own greedy continuations of corpus prompts.
     data, data_info = train.build_distill_set(
         target,
         train_stream,
-        settings.distill_seqs,
+        settings.distill_generated,
+        settings.distill_corpus,
         settings.distill_seq_len,
         settings.distill_prompt_lens,
         settings.distill_gen_batch,
         settings.distill_top_k,
         settings.seed + 2,
+        settings.distill_max_seconds,
     )
     draft = train.make_model(settings.draft_shape, tok.get_vocab_size(), settings.max_positions, settings.seed + 3)
-    draft_info = train.distill_draft(draft, data, settings.draft_train, settings.seed + 4, settings.soft_weight)
+    draft_info = train.distill_draft(
+        draft, data, settings.draft_train, settings.seed + 4, settings.hard_weight, settings.soft_weight
+    )
     del data
 
     # Save both in Hugging Face format with byte-identical tokenizer files.

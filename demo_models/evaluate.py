@@ -100,26 +100,29 @@ def acceptance_table(
 
 
 @torch.inference_mode()
-def decode_cost_ms(target, draft, context: torch.Tensor, repeats: int) -> dict:
-    """Median wall time of decoding 1 token at batch 1 after ``context`` cached tokens, for
-    both models, interleaved so that machine noise hits both alike."""
-    caches = {}
-    for name, model in (("target", target), ("draft", draft)):
-        caches[name] = model(input_ids=context[None], use_cache=True).cache
+def decode_cost_ms(target, draft, context: torch.Tensor, repeats: int, blocks: int = 5) -> dict:
+    """Median wall time of decoding 1 token at batch 1 after ``context`` cached tokens (fp32,
+    transformers, KV cache), for both models. Each model decodes in runs of consecutive steps
+    (as a draft proposes k tokens in a row), the two models alternating run by run so that
+    machine noise hits both alike; every step is then rolled back to keep the context fixed."""
+    models = {"target": target, "draft": draft}
+    caches = {name: m(input_ids=context[None], use_cache=True).cache for name, m in models.items()}
     tok = context[-1:].view(1, 1)
-    times = {"target": [], "draft": []}
-    for r in range(repeats + 5):
-        for name, model in (("target", target), ("draft", draft)):
-            t0 = time.perf_counter()
-            model(input_ids=tok, cache=caches[name], use_cache=True)
-            dt = time.perf_counter() - t0
-            caches[name].crop(-1)
-            if r >= 5:
-                times[name].append(dt * 1000)
+    per_block = max(1, repeats // blocks)
+    times: dict[str, list[float]] = {"target": [], "draft": []}
+    for _ in range(blocks):
+        for name, model in models.items():
+            for r in range(per_block + 3):  # 3 warm-up steps per run
+                t0 = time.perf_counter()
+                model(input_ids=tok, cache=caches[name], use_cache=True)
+                dt = time.perf_counter() - t0
+                caches[name].crop(-1)
+                if r >= 3:
+                    times[name].append(dt * 1000)
     t, d = statistics.median(times["target"]), statistics.median(times["draft"])
     return {
         "context_tokens": context.numel(),
-        "repeats": repeats,
+        "repeats": per_block * blocks,
         "target_ms": round(t, 3),
         "draft_ms": round(d, 3),
         "ratio_target_over_draft": round(t / d, 2),

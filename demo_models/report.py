@@ -22,6 +22,7 @@ def load_report(path: str) -> dict:
 def format_report(r: dict) -> str:
     s = r["settings"]
     t, d, acc, cost = r["target"], r["draft"], r["acceptance"], r["cost"]
+    dd = d["distill_data"]
     ts, ds = s["target_shape"], s["draft_shape"]
 
     def shape(x: dict) -> str:
@@ -45,8 +46,9 @@ def format_report(r: dict) -> str:
         f"           {training(t['training'])}",
         f"           held-out cross-entropy {t['heldout_ce_nats']:.3f} nats/token",
         f"draft    : {d['params'] / 1e6:.2f}M params ({shape(ds)})",
-        f"           distilled on {d['distill_data']['sequences']} target-greedy sequences "
-        f"({d['distill_data']['generated_tokens']:,} generated tokens, {d['distill_data']['seconds']:.0f} s)",
+        f"           distilled from the target on {dd['sequences'] - dd['corpus_sequences']} of its greedy "
+        f"continuations ({dd['generated_tokens']:,} generated tokens) and {dd['corpus_sequences']} corpus windows"
+        f"{' (LABELLING STOPPED BY TIME CAP)' if dd['stopped_by_time_cap'] else ''}, labelled in {dd['seconds']:.0f} s",
         f"           {training(d['training'])}",
         f"           held-out cross-entropy {d['heldout_ce_nats']:.3f} nats/token",
         f"acceptance (greedy, {acc['prompts']} held-out prompts of {acc['prompt_len']} tokens, "

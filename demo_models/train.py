@@ -151,19 +151,21 @@ class DistillSet:
 @torch.inference_mode()
 def greedy_with_teacher(model, prompts: torch.Tensor, new_tokens: int, top_k: int):
     """Greedy-decode ``new_tokens`` after equal-length ``prompts`` [B, P] with the KV cache, in
-    fp32; return the full sequences and the top-k log-probs seen at every position."""
-    out = model(input_ids=prompts, use_cache=True)
-    cache = out.cache
+    fp32. Returns the sequences [B, P + new_tokens] and the model's top-k log-probs at every
+    position but the last ([B, P + new_tokens - 1, top_k] ids and values)."""
+    out = model(input_ids=prompts, use_cache=new_tokens > 0)
     logp = out.logits.float().log_softmax(-1)
-    seq = [prompts]
-    top_v, top_i = [logp.topk(top_k, dim=-1)[0]], [logp.topk(top_k, dim=-1)[1]]
+    if new_tokens == 0:  # teacher labels on the prompt alone
+        v, ix = logp[:, :-1].topk(top_k, dim=-1)
+        return prompts, ix, v
+    v, ix = logp.topk(top_k, dim=-1)
+    seq, top_v, top_i = [prompts], [v], [ix]
     nxt = logp[:, -1].argmax(-1, keepdim=True)
     for i in range(new_tokens):
         seq.append(nxt)
         if i == new_tokens - 1:
             break
-        out = model(input_ids=nxt, cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(input_ids=nxt, cache=out.cache, use_cache=True)
         lp = out.logits.float().log_softmax(-1)
         v, ix = lp.topk(top_k, dim=-1)
         top_v.append(v)
@@ -175,20 +177,33 @@ def greedy_with_teacher(model, prompts: torch.Tensor, new_tokens: int, top_k: in
 def build_distill_set(
     target,
     stream: torch.Tensor,
-    num_seqs: int,
+    num_generated: int,
+    num_corpus: int,
     seq_len: int,
     prompt_lens: tuple[int, ...],
     batch: int,
     top_k: int,
     seed: int,
+    max_seconds: float = 0.0,
 ) -> tuple[DistillSet, dict]:
-    """Corpus prompts of varied lengths, each continued greedily by the target to ``seq_len``."""
+    """The draft's training data, labelled by the target: ``num_generated`` corpus prompts of
+    varied lengths, each continued greedily by the target to ``seq_len`` tokens, and
+    ``num_corpus`` plain corpus windows of ``seq_len`` tokens (the target's view of real text)."""
     gen = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
+    n_gen, n_corpus = math.ceil(num_generated / batch), math.ceil(num_corpus / batch)
+    plan, corpus_done = [], 0  # corpus batches spread evenly among the generated ones
+    for i in range(n_gen + n_corpus):
+        if corpus_done * (n_gen + n_corpus) < (i + 1) * n_corpus:
+            plan.append(seq_len)
+            corpus_done += 1
+        else:
+            plan.append(prompt_lens[(i - corpus_done) % len(prompt_lens)])
     toks, ids, lps, plens = [], [], [], []
-    n_batches = math.ceil(num_seqs / batch)
-    for b in tqdm(range(n_batches), desc="target greedy data", unit="batch", dynamic_ncols=True):
-        p = prompt_lens[b % len(prompt_lens)]
+    for p in tqdm(plan, desc="target labels", unit="batch", dynamic_ncols=True):
+        if max_seconds and time.perf_counter() - start > max_seconds:
+            tqdm.write(f"target labels: time cap of {max_seconds:.0f}s reached after {len(toks)} batches")
+            break
         prompts = sample_windows(stream, gen, batch, p)
         seq, ti, tv = greedy_with_teacher(target, prompts, seq_len - p, top_k)
         toks.append(seq)
@@ -197,7 +212,11 @@ def build_distill_set(
         plens.append(torch.full((batch,), p))
     data = DistillSet(torch.cat(toks), torch.cat(ids), torch.cat(lps), torch.cat(plens))
     info = {
+        "batches": len(toks),
+        "batches_planned": len(plan),
+        "stopped_by_time_cap": len(toks) < len(plan),
         "sequences": data.tokens.size(0),
+        "corpus_sequences": int((data.prompt_lens == seq_len).sum()),
         "tokens": data.tokens.numel(),
         "generated_tokens": int((seq_len - data.prompt_lens).sum()),
         "seconds": round(time.perf_counter() - start, 1),
@@ -205,9 +224,11 @@ def build_distill_set(
     return data, info
 
 
-def distill_draft(draft, data: DistillSet, sched: TrainSchedule, seed: int, soft_weight: float) -> dict:
-    """Train the draft to match the target: cross-entropy to the target's greedy (top-1) choice
-    plus cross-entropy to the target's top-k distribution, at every position."""
+def distill_draft(
+    draft, data: DistillSet, sched: TrainSchedule, seed: int, hard_weight: float, soft_weight: float
+) -> dict:
+    """Train the draft to match the target at every position: cross-entropy to the target's
+    greedy (top-1) choice plus cross-entropy to the target's top-k distribution."""
     gen = torch.Generator().manual_seed(seed)
     n = data.tokens.size(0)
     order = torch.randperm(n, generator=gen)
@@ -223,10 +244,21 @@ def distill_draft(draft, data: DistillSet, sched: TrainSchedule, seed: int, soft
         logq = model_logprobs(draft, x)
         top_ids, top_lp = data.top_ids[idx], data.top_logprobs[idx]
         hard = -logq.gather(-1, top_ids[..., :1]).mean()
-        soft = -(top_lp.exp() * logq.gather(-1, top_ids)).sum(-1).mean()
-        return hard + soft_weight * soft
+        soft = topk_cross_entropy(logq, top_ids, top_lp).mean()
+        return hard_weight * hard + soft_weight * soft
 
     return _run("distill draft", sched, draft, loss_fn)
+
+
+def topk_cross_entropy(logq: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy from the teacher's top-k distribution to the student's, with the teacher's
+    remaining mass as one extra "any other token" outcome. Without that bucket the student
+    learns to give every token outside the teacher's top-k no probability at all."""
+    p_top = top_logp.exp()
+    logq_top = logq.gather(-1, top_ids)
+    p_rest = (1.0 - p_top.sum(-1)).clamp_min(0.0)
+    q_rest = (1.0 - logq_top.exp().sum(-1)).clamp_min(1e-6)
+    return -(p_top * logq_top).sum(-1) - p_rest * q_rest.log()
 
 
 def model_logprobs(model, x: torch.Tensor) -> torch.Tensor:
