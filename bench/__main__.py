@@ -35,7 +35,7 @@ chunk with n tokens counts n intervals of dt/n), end-to-end latency, output toke
 /metrics deltas: acceptance rate, emitted tokens per step, pipeline hit rate, target busy
 fraction (target forward time / wall time), draft and router+RPC time per step.
 
-Writes OUT/results.json, OUT/itl_samples.json, OUT/results.md, OUT/itl_cdf.png and OUT/load.png
+Writes OUT/results.json, OUT/samples.json, OUT/results.md, OUT/itl_cdf.png and OUT/load.png
 (plots need matplotlib; --replot redraws them from a saved run), service logs under OUT/logs/.
 Prints the summary ratios. Exit 1 if outputs differ across configs or requests failed.
 About 20 min for the full run and 3 min with --quick on a 2-core machine.
@@ -135,6 +135,7 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
     check = Correctness()
     results: dict[str, dict] = {}
     samples: dict[str, dict] = {}
+    rows: dict[str, dict] = {}
     loadavg_start = os.getloadavg()
     if loadavg_start[0] > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {loadavg_start[0]:.1f} on {os.cpu_count()} cores before starting: something "
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
         return load.rate_frac * capacity[0]
 
     for cfg in configs:
-        results[cfg.key], samples[cfg.key] = {}, {}
+        results[cfg.key], samples[cfg.key], rows[cfg.key] = {}, {}, {}
 
         def on_load(load: workload.Load, key: str = cfg.key) -> None:
             bar.set_description(f"({key}) {load.name}")
@@ -156,6 +157,7 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
         for lr in runs:
             results[cfg.key][lr.load.name] = lr.summary
             samples[cfg.key][lr.load.name] = lr.itl
+            rows[cfg.key][lr.load.name] = [r.row() for r in lr.results]
             check.check(f"({cfg.key}) {lr.load.name}", lr.results)
         elapsed, done = time.monotonic() - t_start, configs.index(cfg) + 1
         left = (len(configs) - done + (0.6 if with_anchor else 0)) * elapsed / done  # the anchor: ~0.6 config
@@ -171,12 +173,13 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
         agreement = f"{same}/{len(served)} prompts token-for-token identical"
         if not check.reference:
             check.check("(hf)", list(served.values()))
-        results["hf"], samples["hf"] = {}, {}
+        results["hf"], samples["hf"], rows["hf"] = {}, {}, {}
         for load, reqs, arr in loads:
             rate = load.rate_frac * capacity[0] if load.kind == "open" and capacity[0] else 1.0
             rs, wall = anchor.simulate(load, reqs, served, rate, arr)
             results["hf"][load.name] = summarize(rs, wall)
             samples["hf"][load.name] = itl_samples(rs)
+            rows["hf"][load.name] = [r.row() for r in rs]
     bar.close()
 
     data = {
@@ -196,7 +199,7 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
                             "concurrency": ld.concurrency, "rate_frac": ld.rate_frac} for ld in plan.loads]},
         "workload": workload.pool_summary(pool),
         "results": results, "correctness": check.report(), "anchor_agreement": agreement,
-        "ratios": ratios(results, plan.mixed), "itl_samples": samples,
+        "ratios": ratios(results, plan.mixed), "itl_samples": samples, "requests": rows,
     }
     js, md = report.write(args.out, data)
     pngs = plots.plot(data, args.out, js)

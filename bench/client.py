@@ -32,9 +32,11 @@ class RequestResult:
             out.extend([(t1 - t0) / n] * n)
         return out
 
-    def summary(self) -> dict:
-        return {"pid": self.pid, "sent": round(self.sent, 4), "ttft": round(self.ttft, 4), "e2e": round(self.e2e, 4),
-                "tokens": len(self.tokens), "chunks": len(self.chunks), "error": self.error}
+    def row(self) -> list:
+        """[pid, sent, ttft, e2e, tokens, chunks] (seconds), or with the error appended."""
+        row = [self.pid, round(self.sent, 4), round(self.ttft, 4), round(self.e2e, 4), len(self.tokens),
+               len(self.chunks)]
+        return row if self.error is None else [*row, self.error]
 
 
 async def stream_one(client: httpx.AsyncClient, model: str, prompt: Prompt, t_load: float) -> RequestResult:

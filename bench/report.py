@@ -1,4 +1,4 @@
-"""results.json, itl_samples.json (for the plots) and results.md (the tables)."""
+"""results.json, samples.json (ITL samples for the plots, one row per request) and results.md (the tables)."""
 
 from __future__ import annotations
 
@@ -85,19 +85,22 @@ def _finite(x: object) -> object:
 
 
 def load(js: Path) -> dict:
-    """A saved run, with the ITL samples the plots need (itl_samples.json beside it)."""
+    """A saved run, with the ITL samples the plots need (samples.json beside it)."""
     data = json.loads(js.read_text())
-    samples = js.parent / "itl_samples.json"
-    data["itl_samples"] = json.loads(samples.read_text()) if samples.is_file() else {}
+    samples = js.parent / "samples.json"
+    data.update(json.loads(samples.read_text()) if samples.is_file() else {"itl_samples": {}})
     return data
 
 
 def write(out: Path, data: dict) -> tuple[Path, Path]:
-    """results.json (everything but the ITL samples), itl_samples.json (ms per token), results.md."""
+    """results.json (all but the samples); samples.json: itl_samples[config][load] (ms per token) and
+    requests[config][load] = rows of [pid, sent s, TTFT s, e2e s, tokens, chunks]; results.md."""
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / "results.json", out / "results.md"
-    rest = {k: v for k, v in data.items() if k != "itl_samples"}
+    apart = ("itl_samples", "requests")
+    rest = {k: v for k, v in data.items() if k not in apart}
     js.write_text(json.dumps(_finite(rest), indent=1, allow_nan=False) + "\n")
-    (out / "itl_samples.json").write_text(json.dumps(data["itl_samples"], separators=(",", ":")) + "\n")
+    samples = {k: data[k] for k in apart if k in data}
+    (out / "samples.json").write_text(json.dumps(_finite(samples), separators=(",", ":")) + "\n")
     md.write_text(markdown(data))
     return js, md
