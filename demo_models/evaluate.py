@@ -28,6 +28,30 @@ def heldout_cross_entropy(model, stream: torch.Tensor, seq_len: int, max_tokens:
 
 
 @torch.inference_mode()
+def top1_agreement_on_text(
+    target, draft, stream: torch.Tensor, seq_len: int, max_tokens: int, batch: int = 16
+) -> float:
+    """Fraction of held-out corpus positions (teacher-forced, real text) where the draft's most
+    likely next token is the target's: agreement away from the target's own continuations."""
+    n_windows = max(1, min(max_tokens // seq_len, stream.numel() // seq_len))
+    windows = torch.stack([stream[i * seq_len : (i + 1) * seq_len] for i in range(n_windows)])
+    same = 0
+    for b in range(0, n_windows, batch):
+        x = windows[b : b + batch]
+        same += (target(input_ids=x).logits.argmax(-1) == draft(input_ids=x).logits.argmax(-1)).sum().item()
+    return same / windows.numel()
+
+
+def distinct_ngram_ratio(rows: torch.Tensor, n: int = 4) -> float:
+    """Mean fraction of distinct n-grams per row: near 1 for varied text, low for loops."""
+    ratios = []
+    for row in rows.tolist():
+        grams = [tuple(row[i : i + n]) for i in range(len(row) - n + 1)]
+        ratios.append(len(set(grams)) / max(1, len(grams)))
+    return sum(ratios) / len(ratios)
+
+
+@torch.inference_mode()
 def greedy(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Plain greedy decoding with the KV cache; returns only the new tokens [B, new_tokens]."""
     out = model(input_ids=prompts, use_cache=True)
@@ -96,6 +120,7 @@ def acceptance_table(
         "generated_per_prompt": new_tokens,
         "per_k": [simulate_acceptance(m, k) for k in range(1, k_max + 1)],
         "draft_top1_agreement": round(float((m > 0).float().mean()), 4),
+        "target_distinct_4gram_ratio": round(distinct_ngram_ratio(cont[:, :new_tokens]), 4),
     }
 
 

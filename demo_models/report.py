@@ -26,8 +26,8 @@ def format_report(r: dict) -> str:
     ts, ds = s["target_shape"], s["draft_shape"]
 
     def shape(x: dict) -> str:
-        heads = f"heads {x['heads']}/{x['kv_heads']} kv"
-        return f"{x['layers']} layers, hidden {x['hidden']}, mlp {x['intermediate']}, {heads}"
+        layers = f"{x['layers']} layer{'s' if x['layers'] != 1 else ''}"
+        return f"{layers}, hidden {x['hidden']}, mlp {x['intermediate']}, heads {x['heads']}/{x['kv_heads']} kv"
 
     def training(x: dict) -> str:
         capped = " (STOPPED BY TIME CAP)" if x["stopped_by_time_cap"] else ""
@@ -58,6 +58,9 @@ def format_report(r: dict) -> str:
     for row in acc["per_k"]:
         lines.append(f"   {row['k']:2d}  {row['acceptance_rate']:10.3f}  {row['mean_emitted_per_step']:12.3f}")
     lines += [
+        f"           (target continuations: distinct 4-gram ratio {acc['target_distinct_4gram_ratio']:.2f}; "
+        f"on held-out real text the draft's top-1 matches the target's at "
+        f"{r['heldout_text_top1_agreement']:.3f} of positions)",
         f"cost     : decode 1 token after {cost['context_tokens']} cached, batch 1, median of {cost['repeats']}: "
         f"target {cost['target_ms']:.2f} ms, draft {cost['draft_ms']:.2f} ms "
         f"-> ratio {cost['ratio_target_over_draft']:.1f}x",

@@ -73,6 +73,8 @@ def test_report(tiny):
         assert 0.0 <= r["acceptance_rate"] <= 1.0
         assert 1.0 <= r["mean_emitted_per_step"] <= r["k"] + 1
     assert on_disk["cost"]["target_ms"] > 0 and on_disk["cost"]["draft_ms"] > 0
+    assert 0.0 <= on_disk["heldout_text_top1_agreement"] <= 1.0
+    assert 0.0 < on_disk["acceptance"]["target_distinct_4gram_ratio"] <= 1.0
 
 
 def test_second_build_is_cached_and_builds_are_deterministic(tiny, tmp_path):
