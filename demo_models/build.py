@@ -169,6 +169,8 @@ def save_model(model, out_dir: str) -> None:
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
     )
     model.float().save_pretrained(out_dir)
+    # safetensors writes 0600; models are read by other users too (containers, services)
+    os.chmod(os.path.join(out_dir, "model.safetensors"), 0o644)
 
 
 def load_saved(model_dir: str):
