@@ -21,7 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "the same settings returns at once."
         ),
         epilog=(
-            "variants: full = the demo pair (about 15 minutes on 2 CPU cores); "
+            "variants: full = the demo pair (about 12-13 minutes on 2 quiet CPU cores, capped near 15); "
             "tiny = seconds, tiny models for tests (acceptance not meaningful)."
         ),
     )
