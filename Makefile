@@ -49,7 +49,7 @@ run: $(STUBS) models  ## build the demo models if absent, start target + draft +
 	$(PY) -m router.launch --models models/demo $(if $(NO_DRAFT),--no-draft) \
 		--http-port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
 
-bench: $(STUBS) models  ## latency/throughput of every config vs transformers (~20 min; BENCH_ARGS=--quick: ~3)
+bench: $(STUBS) models  ## latency/throughput of every config vs transformers (~12-20 min; BENCH_ARGS=--quick: ~3)
 	$(PY) -m bench $(BENCH_ARGS)
 
 OVERLAY ?= gpu

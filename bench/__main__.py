@@ -38,7 +38,7 @@ fraction (target forward time / wall time), draft and router+RPC time per step.
 Writes OUT/results.json, OUT/samples.json, OUT/results.md, OUT/itl_cdf.png and OUT/load.png
 (plots need matplotlib; --replot redraws them from a saved run), service logs under OUT/logs/.
 Prints the summary ratios. Exit 1 if outputs differ across configs or requests failed.
-About 20 min for the full run and 3 min with --quick on a 2-core machine.
+A full run takes about 12 min on a quiet 2-core machine (18 on a shared one), --quick about 3.
 """
 
 
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
     total = sum(ld.n_requests for ld in plan.loads) * len(configs) + (len(used) if with_anchor else 0)
     print(f"bench: {len(configs)} Tandem configs x {len(plan.loads)} loads ({', '.join(ld.name for ld in plan.loads)})"
           f"{' + the transformers anchor' if with_anchor else ''}: {total} requests; expect about "
-          f"{'3' if args.quick else '20'} min on a 2-core machine (the bar's ETA sharpens as it goes)", flush=True)
+          f"{'3' if args.quick else '12-20'} min on a 2-core machine (the bar's ETA sharpens as it goes)", flush=True)
     settings = Settings(args.models, args.budget, args.k_max, args.threads, args.out / "logs")
     model_name = args.models.resolve().name
     capacity = [args.capacity or None]
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace, argv: list[str], configs: list, with_anchor: b
     bar.close()
 
     data = {
-        "meta": {"command": "python -m bench " + shlex.join(argv),
+        "meta": {"command": shlex.join(["python", "-m", "bench", *argv]),
                  "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
                  "quick": args.quick, "models": str(args.models), "budget": args.budget, "k_max": args.k_max,
                  "seed": args.seed, "out_tokens": list(plan.out_tokens), "capacity_req_s": capacity[0] or 0.0,

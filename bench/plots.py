@@ -35,9 +35,8 @@ def plot(data: dict, out: Path, json_path: Path) -> list[Path]:
         ax.set_xlabel("inter-token latency (ms)")
         ax.set_ylabel("fraction of tokens")
         ax.grid(alpha=0.3, which="both")
-    _legend(fig, axes, len(loads))
     fig.suptitle(f"ITL CDF per configuration — {data['meta']['models']}")
-    fig.tight_layout()
+    _legend(fig, axes, len(loads))
     written.append(_save(fig, out / "itl_cdf.png", plt))
 
     res = data["results"]
@@ -55,17 +54,16 @@ def plot(data: dict, out: Path, json_path: Path) -> list[Path]:
         ax.set_title(title)
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
-    _legend(fig, axes, len(panels))
     fig.suptitle("latency and throughput against load (anchor: one request at a time)")
-    fig.tight_layout()
+    _legend(fig, axes, len(panels))
     written.append(_save(fig, out / "load.png", plt))
     return written
 
 
 def _grid(plt, n: int) -> tuple:  # noqa: ANN001
-    """Panels in rows of three, with one more cell for the legend."""
-    rows = n // 3 + 1
-    fig, axes = plt.subplots(rows, 3, figsize=(14, 4.2 * rows), squeeze=False)
+    """Panels in rows of three; the legend takes a spare cell, or a strip below a full grid."""
+    rows = -(-n // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(14, 4.2 * rows + (1.3 if n % 3 == 0 else 0)), squeeze=False)
     return fig, list(axes.flat)
 
 
@@ -73,10 +71,23 @@ def _legend(fig, axes: list, used: int) -> None:  # noqa: ANN001
     handles, labels = axes[0].get_legend_handles_labels()
     for ax in axes[used:]:
         ax.axis("off")
-    axes[used].legend(handles, labels, loc="center", fontsize=9, frameon=False)
+    for ax in axes[:used]:
+        ax.xaxis.set_minor_formatter(_null())
+    if used < len(axes):
+        axes[used].legend(handles, labels, loc="center", fontsize=9, frameon=False)
+        fig.tight_layout()
+    else:
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
+
+
+def _null():  # noqa: ANN202
+    from matplotlib.ticker import NullFormatter
+
+    return NullFormatter()
 
 
 def _save(fig, path: Path, plt) -> Path:  # noqa: ANN001
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
