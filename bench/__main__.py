@@ -43,7 +43,8 @@ A full run takes about 12 min on a quiet 2-core machine (18 on a shared one), --
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer and shorter requests (~3 min): for iteration")
     p.add_argument("--models", type=Path, default=Path("models/demo"),
                    help="directory with target/, draft/ and report.json (`make models`; models/tiny to develop)")
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="where results and plots go")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where results and plots go (default: bench/results, or bench/results/quick with --quick, "
+                        "which is not committed)")
     p.add_argument("--configs", default="1,2,3,4,5,6,hf", help="comma-separated subset of 1..6 and hf")
     p.add_argument("--budget", type=int, default=256, help="router --max-num-batched-tokens (prompt lengths scale)")
     p.add_argument("--k-max", type=int, default=4, help="router --k-max")
@@ -76,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.out is None:
+        args.out = Path("bench/results/quick" if args.quick else "bench/results")
     from bench import plots, report
     if args.replot:
         data = report.load(args.replot)
