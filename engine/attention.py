@@ -59,27 +59,40 @@ class _TorchPlan:
 
 
 class TorchBackend:
-    """Gathers each sequence's keys from its blocks into a padded batch, one SDPA per layer."""
+    """Gathers each sequence's keys from its blocks into a padded batch, one SDPA per group.
+
+    Padding every query to the batch's longest would make 16 one-token decodes pay for a
+    240-token prompt chunk, so short queries (decodes, verifications) share one group and each
+    long query (a prompt chunk) gets its own."""
 
     name = "torch-sdpa"
+    SHORT_QUERY = 16
 
     def __init__(self, scale: float, sliding_window: int | None = None) -> None:
         self.scale = scale
         self.sliding_window = sliding_window
 
-    def plan(self, layout: BatchLayout) -> _TorchPlan:
+    def plan(self, layout: BatchLayout) -> list[_TorchPlan]:
+        short = [b for b, n in enumerate(layout.query_lens) if n <= self.SHORT_QUERY]
+        groups = ([short] if short else []) + [[b] for b, n in enumerate(layout.query_lens) if n > self.SHORT_QUERY]
+        offsets = [0]
+        for n in layout.query_lens:
+            offsets.append(offsets[-1] + n)
+        return [self._plan_group(layout, g, [offsets[b] for b in g]) for g in groups]
+
+    def _plan_group(self, layout: BatchLayout, rows: list[int], flat_offsets: list[int]) -> _TorchPlan:
         dev = layout.device
-        starts = torch.tensor(layout.start_positions, device=dev)
-        qlens = torch.tensor(layout.query_lens, device=dev)
+        starts = torch.tensor([layout.start_positions[b] for b in rows], device=dev)
+        qlens = torch.tensor([layout.query_lens[b] for b in rows], device=dev)
         ctx = starts + qlens
-        q_max, k_max = max(layout.query_lens), max(layout.context_lens)
-        offsets = torch.cumsum(qlens, 0) - qlens
+        q_max, k_max = int(qlens.max()), int(ctx.max())
+        offsets = torch.tensor(flat_offsets, device=dev)
         i = torch.arange(q_max, device=dev)
         query_valid = i[None, :] < qlens[:, None]
         query_index = torch.where(query_valid, offsets[:, None] + i[None, :], 0)
         j = torch.arange(k_max, device=dev)
         bs = layout.block_size
-        blocks = layout.block_tables.to(dev, torch.long)
+        blocks = layout.block_tables[rows].to(dev, torch.long)
         block_of_j = torch.clamp(j // bs, max=blocks.shape[1] - 1)
         key_slots = blocks[:, block_of_j] * bs + (j % bs)[None, :]
         key_slots = torch.where(j[None, :] < ctx[:, None], key_slots, 0)
@@ -90,16 +103,22 @@ class TorchBackend:
         return _TorchPlan(query_index, query_valid, key_slots, mask[:, None])
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
-        assert isinstance(plan, _TorchPlan)
+        assert isinstance(plan, list)
         kv_heads, head_dim = k_cache.shape[-2:]
-        k = k_cache.view(-1, kv_heads, head_dim)[plan.key_slots]  # [B, Kmax, kvh, D]
-        v = v_cache.view(-1, kv_heads, head_dim)[plan.key_slots]
-        qb = q[plan.query_index]  # [B, Qmax, H, D]
-        out = F.scaled_dot_product_attention(
-            qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=plan.mask, scale=self.scale, enable_gqa=True,
-        )
-        return out.transpose(1, 2)[plan.query_valid]  # row-major (b, i) == flat token order
+        k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+        out = torch.empty_like(q) if len(plan) > 1 else None
+        for g in plan:
+            k = k_flat[g.key_slots]  # [B, Kmax, kvh, D]
+            v = v_flat[g.key_slots]
+            qb = q[g.query_index]  # [B, Qmax, H, D]
+            o = F.scaled_dot_product_attention(
+                qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=g.mask, scale=self.scale, enable_gqa=True,
+            ).transpose(1, 2)[g.query_valid]  # row-major (b, i): the group's tokens in flat order
+            if out is None:
+                return o
+            out[g.query_index[g.query_valid]] = o
+        return out
 
 
 @dataclass(frozen=True)
