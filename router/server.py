@@ -71,8 +71,10 @@ class RouterServer:
         for name in ("", grpc_api.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         app = create_app(self.engine, e.model_name)
+        # keep-alive longer than clients' and load balancers' idle timeouts (60 s is common): a
+        # server that closes an idle connection first races with the client's next request on it
         self.http = _Uvicorn(uvicorn.Config(app, host=e.host, port=e.http_port, log_level="warning",
-                                                  timeout_graceful_shutdown=5))
+                                                  timeout_graceful_shutdown=5, timeout_keep_alive=75))
         log.info("HTTP on http://%s:%d  gRPC on %s:%d  model %r", e.host, e.http_port, e.host, self.grpc_port,
                  e.model_name)
 
