@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 
 from draft_service.proposer import DraftRequest, Proposer
 from engine.runner import ModelRunner, SeqInput
-from engine.service import DeadlineExpired, ModelWorker, check_deadline, rpc_errors, sampling_spec
+from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.DraftService"
-
-
-def _deadline(context: grpc.aio.ServicerContext) -> float | None:
-    """Refuse a call already expired on arrival; otherwise its absolute deadline (monotonic)."""
-    check_deadline(context)
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
-
-
-def _still_wanted(deadline: float | None) -> None:
-    # Calls queue behind the forward in flight; one whose caller gave up must not cost a forward.
-    if deadline is not None and time.monotonic() >= deadline:
-        raise DeadlineExpired("deadline passed while the call waited for the model thread")
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -41,12 +26,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @rpc_errors
     async def Sync(self, request: draft_pb2.SyncRequest, context: grpc.aio.ServicerContext) -> draft_pb2.SyncResponse:
-        return await self.worker.run(self._sync, request, _deadline(context))
+        return await self.worker.run(self._sync, request, call_deadline(context))
 
     @rpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest,
                       context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
-        return await self.worker.run(self._propose, request, _deadline(context))
+        return await self.worker.run(self._propose, request, call_deadline(context))
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,
@@ -57,13 +42,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     # ---- on the model thread -----------------------------------------------------------------
     def _sync(self, request: draft_pb2.SyncRequest, deadline: float | None) -> draft_pb2.SyncResponse:
-        _still_wanted(deadline)
+        still_wanted(deadline)
         chunks = [SeqInput(c.seq_id, c.start_pos, list(c.tokens), num_logits=0) for c in request.chunks]
         cached = self.proposer.sync(chunks)
         return draft_pb2.SyncResponse(cached_len=cached, free_blocks=self.worker.runner.blocks.num_free)
 
     def _propose(self, request: draft_pb2.ProposeRequest, deadline: float | None) -> draft_pb2.ProposeResponse:
-        _still_wanted(deadline)
+        still_wanted(deadline)
         requests = [
             DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k,
                          sampling_spec(e.sampling, f"entries[{n}].sampling"), e.want_guess)

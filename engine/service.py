@@ -155,6 +155,20 @@ def check_deadline(context: grpc.aio.ServicerContext) -> None:
         raise DeadlineExpired("deadline already passed")
 
 
+def call_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """Refuse a call already expired on arrival; otherwise its absolute deadline (monotonic)."""
+    check_deadline(context)
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def still_wanted(deadline: float | None) -> None:
+    """On the model thread: calls queue behind the forward in flight, and one whose caller gave
+    up meanwhile must not cost a forward."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExpired("deadline passed while the call waited for the model thread")
+
+
 async def serve(
     register: Callable[[grpc.aio.Server], None],
     service_full_name: str,

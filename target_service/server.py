@@ -16,7 +16,7 @@ import torch
 
 from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.sampling import logprobs_of
-from engine.service import ModelWorker, rpc_errors, sampling_spec
+from engine.service import ModelWorker, call_deadline, rpc_errors, sampling_spec, still_wanted
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.acceptance import (
     DEFAULT_TYPICAL_DELTA,
@@ -30,10 +30,6 @@ from target_service.acceptance import (
 SERVICE_NAME = "tandem.v1.TargetService"
 MAX_LOGPROBS = 20
 _SUM_TOLERANCE = 1e-4  # a sparse q may sum to 1 + float32 rounding
-
-
-class DeadlineExpired(Exception):
-    """The call's deadline passed while it waited for the model thread."""
 
 
 @dataclass(frozen=True)
@@ -58,15 +54,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     async def Step(self, request: target_pb2.StepRequest, context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already passed on arrival")
-        deadline = None if remaining is None else time.monotonic() + remaining
-        try:
-            return await self.worker.run(self.step, request, deadline)
-        except DeadlineExpired:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the step could run")
-            raise  # abort() raises; this keeps type checkers honest
+        return await self.worker.run(self.step, request, call_deadline(context))
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,
@@ -78,8 +66,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @torch.inference_mode()
     def step(self, request: target_pb2.StepRequest, deadline: float | None = None) -> target_pb2.StepResponse:
         entries = self.parse(request)
-        if deadline is not None and time.monotonic() > deadline:
-            raise DeadlineExpired()
+        still_wanted(deadline)
         t0 = time.perf_counter()
         runner = self.runner
         logits = runner.forward([e.seq for e in entries])  # validates capacity and cache state first

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import LlamaConfig
 
 from engine import EngineConfig, ModelRunner
-from engine.service import CACHE_MISS_METADATA
+from engine.service import CACHE_MISS_METADATA, DeadlineExpired
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.server import SERVICE_NAME, DeadlineExpired, create_servicer, register
+from target_service.server import SERVICE_NAME, create_servicer, register
 from tests.conftest import SMALL, hf_greedy, hf_logits, write_checkpoint
 from tests.servers import start_server
 
