@@ -47,10 +47,18 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     sliding_window: int | None
+    # A draft's reduced output vocabulary (FR-Spec / EAGLE-3): its head scores only these many of
+    # the vocabulary's tokens (ids in the checkpoint's lm_head.token_ids); None = the full vocabulary.
+    head_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
         assert self.rope.rope_type in SUPPORTED_ROPE_TYPES
+        if self.head_vocab_size is not None:
+            if not 0 < self.head_vocab_size <= self.vocab_size:
+                raise UnsupportedModelError(f"draft_vocab_size {self.head_vocab_size} not in (0, {self.vocab_size}]")
+            if self.tie_word_embeddings:
+                raise UnsupportedModelError("a reduced output vocabulary (draft_vocab_size) needs an untied lm_head")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -89,6 +97,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             sliding_window=sliding,
+            head_vocab_size=raw.get("draft_vocab_size"),
         )
 
 

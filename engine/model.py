@@ -142,12 +142,31 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
 
+class ReducedHead(nn.Linear):
+    """An output projection over a subset of the vocabulary (a draft's most frequent tokens, as in
+    FR-Spec and EAGLE-3): row i scores token token_ids[i]; every other token gets logit -inf, so
+    the draft's distribution q is exactly zero there and rejection sampling stays lossless."""
+
+    def __init__(self, hidden: int, head_vocab: int, vocab: int) -> None:
+        super().__init__(hidden, head_vocab, bias=False)
+        self.vocab = vocab
+        self.register_buffer("token_ids", torch.zeros(head_vocab, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = super().forward(x).float()
+        full = scores.new_full((x.shape[0], self.vocab), float("-inf"))
+        return full.index_copy_(1, self.token_ids, scores)
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.head_vocab_size is None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.lm_head = ReducedHead(cfg.hidden_size, cfg.head_vocab_size, cfg.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -52,6 +52,8 @@ def _shard_sizes(model: CausalLM, fused_name: str) -> list[int]:
 def load_weights(model: CausalLM, model_dir: Path) -> None:
     """Copy every checkpoint tensor into its (possibly fused) parameter; fail on gaps or extras."""
     params = dict(model.named_parameters())
+    if model.config.head_vocab_size is not None:
+        params["lm_head.token_ids"] = model.lm_head.token_ids  # a buffer, but stored like a weight
     loaded: dict[str, int] = {}
     for name, tensor in iter_tensors(model_dir):
         if "rotary_emb.inv_freq" in name:
@@ -73,6 +75,8 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
         dest.copy_(tensor.to(dest.dtype))
+        if target == "lm_head.token_ids":
+            _check_token_ids(tensor, model.config.vocab_size)
         loaded[target] = loaded.get(target, 0) + 1
     expected_parts = {n: len(_shard_sizes(model, n)) if ("qkv_proj" in n or "gate_up" in n) else 1 for n in params}
     if model.config.tie_word_embeddings:
@@ -83,3 +87,11 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         missing = []
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}")
+
+
+def _check_token_ids(ids: torch.Tensor, vocab: int) -> None:
+    """A reduced head's row -> token map: distinct ids inside the vocabulary."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"lm_head.token_ids: ids outside [0, {vocab})")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError("lm_head.token_ids: ids must be distinct")
