@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.sampling import validate_sampling  # noqa: F401 - re-exported for the services
+
 _UNSEEDED = torch.Generator()
 _UNSEEDED.seed()
 
@@ -27,18 +29,6 @@ class SamplingSpec:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def validate_sampling(temperature: float, top_p: float, top_k: int, field: str = "sampling") -> list[str]:
-    """Problems with these parameters, each naming its field ([] when valid)."""
-    problems = []
-    if not temperature >= 0.0 or temperature != temperature:
-        problems.append(f"{field}.temperature must be >= 0, got {temperature}")
-    if not 0.0 <= top_p <= 1.0:
-        problems.append(f"{field}.top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        problems.append(f"{field}.top_k must be >= 0, got {top_k}")
-    return problems
 
 
 def row_generator(seed: int | None, position: int, stream: int) -> torch.Generator:

@@ -19,19 +19,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.protocol import CACHE_MISS_METADATA, PROTOCOL
+from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from engine.attention import flash_attn_available
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import SamplingSpec, validate_sampling
-from engine.tokenizer import eos_token_ids, tokenizer_fingerprint
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-CACHE_MISS_METADATA = "tandem-cache-miss"  # trailing metadata: comma-separated seq_ids
-PROTOCOL = "tandem.v1"
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import grpc
 
+from common.protocol import CACHE_MISS_METADATA
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-
-CACHE_MISS_METADATA = "tandem-cache-miss"
 
 
 class CacheMissError(Exception):

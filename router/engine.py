@@ -14,8 +14,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from engine.sampling import validate_sampling
-from engine.tokenizer import tokenizer_fingerprint
+from common.protocol import MAX_LOGPROBS
+from common.sampling import validate_sampling
+from common.tokenizer import tokenizer_fingerprint
 from router.clients import Rejected, ServiceDown
 from router.config import RouterConfig
 from router.core import (
@@ -37,8 +38,6 @@ from router.output import OutputBuilder
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20
 
 
 class IncompatibleTarget(RuntimeError):

@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from common.protocol import MAX_LOGPROBS
 from router.core import GenerationRequest, RequestError, SamplingOptions
-from router.engine import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 8
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from common.protocol import MAX_LOGPROBS
 from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.sampling import logprobs_of
 from engine.service import ModelWorker, call_deadline, rpc_errors, sampling_spec, still_wanted
@@ -28,7 +29,6 @@ from target_service.acceptance import (
 )
 
 SERVICE_NAME = "tandem.v1.TargetService"
-MAX_LOGPROBS = 20
 _SUM_TOLERANCE = 1e-4  # a sparse q may sum to 1 + float32 rounding
 
 

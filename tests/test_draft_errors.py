@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.protocol import CACHE_MISS_METADATA
+from common.tokenizer import tokenizer_fingerprint
 from draft_service import create_servicer
 from engine import EngineConfig, ModelRunner
-from engine.service import CACHE_MISS_METADATA
-from engine.tokenizer import tokenizer_fingerprint
 from tandem.v1 import common_pb2, draft_pb2
 from tests.conftest import hf_greedy
 from tests.test_draft_service import MAX_K, VOCAB, entry, make_checkpoint, propose, serve_runner, sync, toks

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample, truncate_top, validate_sampling
+from common.sampling import validate_sampling
+from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample, truncate_top
 
 
 def test_greedy_rows_are_one_hot_on_argmax():
