@@ -45,9 +45,10 @@ else
 	TANDEM_E2E_MODELS=$(E2E_MODELS) $(VENV)/bin/pytest tests/e2e
 endif
 
-run: $(STUBS) models  ## build the demo models if absent, start target + draft + router (NO_DRAFT=1: target-only)
-	$(PY) -m router.launch --models models/demo $(if $(NO_DRAFT),--no-draft) \
-		--http-port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
+RUN_MODELS ?= models/demo
+run: $(STUBS) models  ## build the models if absent, start target + draft + router (NO_DRAFT=1: target-only)
+	$(VENV)/bin/tandem serve $(RUN_MODELS) $(if $(NO_DRAFT),--no-draft) \
+		--port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
 
 bench: $(STUBS) models  ## latency/throughput of every config vs transformers (~12-20 min; BENCH_ARGS=--quick: ~3)
 	$(PY) -m bench $(BENCH_ARGS)

@@ -51,7 +51,8 @@ def start_stack(cfg: Config, s: Settings) -> Stack:
     service_args = ["--threads", str(s.threads)] if s.threads else []
     router_args = [*cfg.flags, "--max-num-batched-tokens", str(s.budget), "--k-max", str(s.k_max),
                    "--max-waiting", "4096", "--log-level", "WARNING"]
-    stack = Stack(s.models, draft=cfg.draft, http_port=free_port(), grpc_port=free_port(), target_port=free_port(),
+    stack = Stack(s.models / "target", s.models / "draft" if cfg.draft else None, served_model_name=s.models.name,
+                  http_port=free_port(), grpc_port=free_port(), target_port=free_port(),
                   draft_port=free_port(), service_args=service_args, router_args=router_args, log_dir=log_dir)
     try:
         stack.start(timeout=300.0)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from common.cli import env_settable
 from draft_service.server import SERVICE_NAME, create_servicer, register
 from engine.service import add_model_args, load_runner, serve
 
 DEFAULT_PORT = 50053
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m draft_service") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m draft_service",
+        prog=prog,
         description="Tandem draft service: serves a small draft model over gRPC (tandem.v1.DraftService). "
                     "Sync mirrors prompt chunks into its paged KV cache; Propose drafts k tokens for many "
                     "sequences in batched rounds, with the sparse distribution each was sampled from. "
@@ -23,11 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sparse-top-n", type=int, default=32,
                         help="draft probabilities shipped per token: sampling uses the top n of the filtered "
                              "distribution, renormalised, so the shipped q is exactly what was sampled from")
-    return parser
+    return env_settable(parser)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = "python -m draft_service") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.sparse_top_n < 1:
         parser.error("--sparse-top-n must be >= 1")
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.sparse_top_n)
     asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
                       args.grace_seconds))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.protocol import CACHE_MISS_METADATA, PROTOCOL
+from common.sampling import SamplingParams
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from engine.attention import flash_attn_available
 from engine.config import DTYPES, EngineConfig, ModelConfig
@@ -30,6 +31,7 @@ from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+FULL_LENGTH_SEQUENCES = 2  # the default KV cache holds this many sequences of max_model_len tokens
 
 
 
@@ -41,7 +43,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=int, default=0, help="KV cache size in blocks")
     kv.add_argument("--kv-cache-gib", type=float, default=0.0,
-                    help="KV cache size as a memory budget in GiB (default: 0.25 GiB when neither is given)")
+                    help="KV cache size as a memory budget in GiB (default, when neither is given: room for "
+                         f"{FULL_LENGTH_SEQUENCES} sequences of max-model-len tokens, and at least 0.25 GiB)")
     parser.add_argument("--block-size", type=int, default=0,
                         help="tokens per KV block (default 16; 256 with flash-attn)")
     parser.add_argument("--max-batch-tokens", type=int, default=4096, help="most tokens one forward pass accepts")
@@ -69,7 +72,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         mc = ModelConfig.from_dir(args.model)
         per_block = PagedKVCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim,
                                                  probe.resolved_dtype())
-        num_blocks = max(1, int((args.kv_cache_gib or 0.25) * 2**30 // per_block))
+        if args.kv_cache_gib:
+            num_blocks = max(1, int(args.kv_cache_gib * 2**30 // per_block))
+        else:  # what /v1/models advertises must fit: whole-context sequences, not a fixed budget
+            max_len = args.max_model_len or mc.max_position_embeddings
+            whole = FULL_LENGTH_SEQUENCES * -(-(max_len + args.max_draft_tokens + 1) // block_size)
+            num_blocks = max(whole, int(0.25 * 2**30 // per_block))
     return EngineConfig(num_blocks=num_blocks, block_size=block_size, dtype=args.dtype, device=args.device,
                         max_model_len=args.max_model_len, max_batch_tokens=args.max_batch_tokens,
                         attention_backend=args.attention_backend)
@@ -206,8 +214,9 @@ async def serve(
 
 def sampling_spec(params: common_pb2.SamplingParams, field: str) -> SamplingSpec:
     """Proto -> SamplingSpec; InvalidInput naming the field when a value is out of range."""
-    problems = validate_sampling(params.temperature, params.top_p or 1.0, params.top_k, field)
+    # the router sets every field; an unset one means greedy, no top-p, no top-k, unseeded
+    p = SamplingParams(temperature=0.0).updated(**SamplingParams.given_in(params))
+    problems = validate_sampling(p.temperature, p.top_p, p.top_k, field)
     if problems:
         raise InvalidInput(field, "; ".join(problems))
-    return SamplingSpec(temperature=params.temperature, top_p=params.top_p or 1.0, top_k=params.top_k,
-                        seed=params.seed if params.has_seed else None)
+    return SamplingSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)

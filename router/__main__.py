@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from common.cli import env_settable
 from router.config import RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
@@ -14,10 +15,10 @@ from router.engine import IncompatibleTarget
 from router.server import Endpoints, main_sync
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
     d = RouterConfig()
     p = argparse.ArgumentParser(
-        prog="python -m router",
+        prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Tandem router: schedules chunked prefill + speculative decoding over a target and an "
                     "optional draft service, and serves OpenAI-compatible HTTP and gRPC Generate.")
     p.add_argument("--target", required=True,
@@ -25,41 +26,46 @@ def build_parser() -> argparse.ArgumentParser:
                         "Service) or k8s:NAMESPACE/SERVICE:PORT (EndpointSlices watched through the Kubernetes API)")
     p.add_argument("--draft", default=None,
                    help="draft replicas, same forms as --target (omit: target-only, k = 0)")
-    p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json (usually the target model dir)")
+    p.add_argument("--tokenizer", required=True,
+                   help="directory with tokenizer.json, the chat template and generation_config.json (its sampling "
+                        "defaults apply to requests that leave them out): usually the target model directory")
     p.add_argument("--served-model-name", default="", help="model name clients use (default: tokenizer dir name)")
     p.add_argument("--host", default="127.0.0.1", help="address for HTTP and gRPC (0.0.0.0 in a container)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--port", "--http-port", type=int, default=8000, help="HTTP port (OpenAI-compatible API)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (tandem.v1.Generate)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget of one target step")
+                   help="token budget of one target step (a decode costs 1 + k, prompt chunks fill the rest)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="longest sequence served (0: what the target and both KV caches allow)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue length before 429")
-    p.add_argument("--k-max", type=int, default=d.k_max, help="largest speculation length per step")
-    p.add_argument("--no-dynamic-k", action="store_true", help="always speculate k-max tokens")
+    p.add_argument("--num-speculative-tokens", "--k-max", type=int, default=d.k_max,
+                   help="largest speculation length k per sequence per step (0: no speculation)")
+    p.add_argument("--no-dynamic-k", action="store_true",
+                   help="always speculate --num-speculative-tokens (default: k per sequence from its acceptance "
+                        "and the measured step costs)")
     p.add_argument("--no-pipeline", action="store_true", help="draft then target in sequence")
     p.add_argument("--no-chunked-prefill", action="store_true", help="whole prompts first (stalls decodes)")
-    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     p.add_argument("--target-timeout", type=float, default=d.target_timeout_s, help="deadline of one Step (s)")
     p.add_argument("--draft-timeout", type=float, default=d.draft_timeout_s,
-                   help="deadline of one draft call (s); past it the step goes on with k = 0")
+                   help="deadline of one draft call (s); past it the affected sequences run with k = 0")
     p.add_argument("--target-grace", type=float, default=d.target_grace_s,
-                   help="how long requests wait for a lost target before 503 (s)")
+                   help="how long requests wait for an unreachable target before 503 (s)")
     p.add_argument("--startup-wait", type=float, default=300.0, help="how long to wait for the target at start (s)")
     p.add_argument("--log-level", default="INFO")
-    return p
+    return env_settable(p)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_waiting=args.max_waiting, k_max=args.k_max, dynamic_k=not args.no_dynamic_k,
-        pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
-        default_max_tokens=args.default_max_tokens, target_timeout_s=args.target_timeout,
-        draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace)
+        max_model_len=args.max_model_len, max_waiting=args.max_waiting, k_max=args.num_speculative_tokens,
+        dynamic_k=not args.no_dynamic_k, pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
+        target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     endpoints = Endpoints(target=args.target, draft=args.draft, tokenizer_dir=args.tokenizer,
                           model_name=args.served_model_name or Path(args.tokenizer).resolve().name,
-                          host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
+                          host=args.host, http_port=args.port, grpc_port=args.grpc_port)
     try:
         main_sync(config, endpoints, args.startup_wait)
     except (IncompatibleDraft, IncompatibleTarget, ServiceUnavailable) as err:

@@ -1,37 +1,80 @@
-"""Chat prompts: the tokenizer's own chat template when it has one (Jinja, as transformers renders
-it), else a documented plain fallback:
+"""Chat prompts rendered the way transformers' apply_chat_template renders them.
+
+The template comes from `chat_template.jinja` (transformers 5 saves it there) or the
+`chat_template` entry of tokenizer_config.json (older checkpoints; a list of named templates
+takes "default"). It renders in a sandbox with the features transformers' renderer has: the
+loopcontrols extension, a tojson that does not HTML-escape, strftime_now, raise_exception,
+dict and namespace. The special tokens of tokenizer_config.json (bos_token, eos_token, ...) are
+template variables, as in transformers. Without any template, a documented plain fallback:
 
     <role>: <content>\n      for every message, then      assistant:
 """
 
 from __future__ import annotations
 
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger(__name__)
+
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-class ChatFormatter:
-    def __init__(self, tokenizer_config: dict) -> None:
-        template = tokenizer_config.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.bos = _token_text(tokenizer_config.get("bos_token"))
-        self.eos = _token_text(tokenizer_config.get("eos_token"))
-        self.template = None
-        if template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self.template = env.from_string(template)
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None, separators: tuple | None = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def render(self, messages: list[tuple[str, str]]) -> str:
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, dict=dict, namespace=jinja2.utils.Namespace)
+    return env.from_string(source)
+
+
+class ChatFormatter:
+    def __init__(self, template: str | None, special_tokens: dict[str, str], source: str = "") -> None:
+        self.source = source
+        self.special_tokens = special_tokens
+        self.template = compile_template(template) if template else None
+
+    @classmethod
+    def from_dir(cls, tokenizer_dir: str | Path) -> ChatFormatter:
+        tokenizer_dir = Path(tokenizer_dir)
+        config_path = tokenizer_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        special = {name: _token_text(config.get(name)) for name in _SPECIAL if config.get(name) is not None}
+        jinja_file = tokenizer_dir / "chat_template.jinja"
+        template, source = None, "none: plain 'role: content' fallback"
+        if jinja_file.is_file():
+            template, source = jinja_file.read_text(), str(jinja_file)
+        elif config.get("chat_template"):
+            template = config["chat_template"]
+            if isinstance(template, list):  # named templates: take the default one
+                template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            source = f"{config_path} (chat_template)"
+        log.info("chat template: %s", source)
+        return cls(template, special, source)
+
+    def render(self, messages: list[tuple[str, str]], **extra: object) -> str:
         if self.template is None:
             return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
         return self.template.render(messages=[{"role": r, "content": c} for r, c in messages],
-                                    add_generation_prompt=True, bos_token=self.bos, eos_token=self.eos)
+                                    add_generation_prompt=True, **self.special_tokens, **extra)
 
 
 def _token_text(token: str | dict | None) -> str:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 class RouterConfig:
     max_num_batched_tokens: int = 256  # token budget of one target step (decodes count 1 + k)
     max_num_seqs: int = 32  # sequences running at once
+    max_model_len: int = 0  # longest sequence served; 0: what the target and both KV caches allow
     max_waiting: int = 256  # queued requests beyond which new ones get 429
     k_max: int = 4  # largest speculation length per sequence per step
     dynamic_k: bool = True  # choose k per sequence from acceptance and load; else always k_max
     pipeline: bool = True  # draft proposes step t+1 while the target scores step t
     chunked_prefill: bool = True  # slice prompts into the budget; else whole prompts first
-    default_max_tokens: int = 16
     target_timeout_s: float = 60.0  # deadline of one Step
     draft_timeout_s: float = 5.0  # deadline of one Sync / Propose; past it the step goes on with k = 0
     target_grace_s: float = 30.0  # how long requests wait for a lost target before failing with 503
@@ -27,8 +27,8 @@ class RouterConfig:
             raise ValueError("max_num_seqs must not exceed max_num_batched_tokens: every decode needs a token")
         if not 0 <= self.k_max <= 16:
             raise ValueError("k_max must be in [0, 16]")
-        if self.max_waiting < 0 or self.default_max_tokens < 1:
-            raise ValueError("max_waiting must be >= 0 and default_max_tokens >= 1")
+        if self.max_waiting < 0 or self.max_model_len < 0:
+            raise ValueError("max_waiting and max_model_len must be >= 0")
         for name in ("target_timeout_s", "draft_timeout_s", "target_grace_s", "draft_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -1,4 +1,5 @@
-"""Types shared across the router: requests, per-sequence state, outputs, configuration."""
+"""Types shared across the router: the request (one object from the front door to the step loop),
+the sequence (everything the router knows about one request), outputs and errors."""
 
 from __future__ import annotations
 
@@ -6,16 +7,18 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from common.sampling import InvalidField, SamplingParams
+from router.spec_policy import AcceptanceTracker
 from tandem.v1 import common_pb2
 
+if TYPE_CHECKING:
+    from router.lanes import Lane
+    from router.output import OutputBuilder
 
-class RequestError(ValueError):
-    """Bad input: becomes HTTP 400 / gRPC INVALID_ARGUMENT. `field` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+RequestError = InvalidField  # bad input: HTTP 400 / gRPC INVALID_ARGUMENT, naming the field
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class Overloaded(RuntimeError):
@@ -26,28 +29,18 @@ class ServiceUnavailable(RuntimeError):
     """The target stayed unreachable past the grace period: HTTP 503 / gRPC UNAVAILABLE."""
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    typical_acceptance: bool = False
-
-    def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed or 0, has_seed=self.seed is not None,
-            acceptance=common_pb2.ACCEPTANCE_TYPICAL if self.typical_acceptance else common_pb2.ACCEPTANCE_STRICT,
-        )
+class InternalError(RuntimeError):
+    """A service failed this request: HTTP 500 / gRPC INTERNAL, with a short message and a log id."""
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
+class Request:
+    """What a client asked for, once parsed by a front door; validated once, by RouterEngine.submit."""
+
     request_id: str
     prompt_ids: list[int]
-    max_tokens: int = 16
-    sampling: SamplingOptions = SamplingOptions()
+    sampling: SamplingParams
+    max_tokens: int | None = None  # None: until EOS or the end of the model's context
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top-n alternatives per token; None = no logprobs
     max_speculative_tokens: int | None = None  # per-request cap on k; 0 = no speculation
@@ -92,18 +85,21 @@ class Sequence:
     """The router's truth about one request. Service caches are only caches of `tokens`."""
 
     seq_id: int
-    request: GenerationRequest
+    request: Request
+    output: OutputBuilder | None = None  # set by RouterEngine.submit (scheduler tests run without)
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     tokens: list[int] = field(default_factory=list)  # prompt + output: the history
     num_prompt: int = 0
+    lane: Lane | None = None  # the target replica (and its paired draft) this sequence is pinned to
     target_cached: int = 0  # tokens the target's KV holds for this sequence
     draft_cached: int = 0  # tokens the draft's KV holds
     # The draft's believed continuation: draft_stream[:len(tokens)] == tokens when it is still valid;
     # draft_stream[len(tokens):] are proposals, draft_probs holds their sparse q (None when greedy).
     draft_stream: list[int] = field(default_factory=list)
     draft_probs: dict[int, common_pb2.SparseDist] = field(default_factory=dict)  # position -> q
-    acceptance_ema: float = 0.7  # running estimate of this sequence's per-token acceptance
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    next_k: int = 0  # desired k for this sequence's next proposal
     num_preemptions: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -118,6 +114,12 @@ class Sequence:
     def prefilling(self) -> bool:
         """Still feeding history into the target (first prefill, or recompute after preemption)."""
         return self.target_cached < len(self.tokens) - 1 or self.num_output == 0
+
+    def forget_caches(self) -> None:
+        """Both services' caches of this sequence are gone (preempted, moved, lost): recompute."""
+        self.target_cached = self.draft_cached = 0
+        self.draft_stream = []
+        self.draft_probs.clear()
 
     def proposal(self) -> list[int]:
         """Draft tokens that continue the current history (empty when the stream diverged)."""

@@ -1,29 +1,31 @@
 """RouterEngine: the front doors' one entry point. Owns every sequence's history, validates
-requests, runs the step loop, and rides out lost services."""
+requests once (submit), runs one step loop per target replica, and rides out lost services.
+
+    door:  req = Request(...)            # parsed, sampling defaults resolved
+           stream = engine.submit(req)   # synchronous: raises RequestError / Overloaded / ServiceUnavailable
+           async for delta in stream:    # then a stream of outputs; closing it early aborts the request
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from common.protocol import MAX_LOGPROBS
-from common.sampling import validate_sampling
+from common.sampling import SamplingParams
 from common.tokenizer import tokenizer_fingerprint
 from router.clients import Rejected, ServiceDown
+from router.codec import TextCodec
 from router.config import RouterConfig
 from router.core import (
     Delta,
     FinishReason,
-    GenerationRequest,
     Overloaded,
+    Request,
     RequestError,
     SeqStatus,
     Sequence,
@@ -44,6 +46,30 @@ class IncompatibleTarget(RuntimeError):
     """The target does not use the router's tokenizer."""
 
 
+class RequestStream:
+    """The outputs of one submitted request. Closing it before the last Delta aborts the request
+    and frees its KV in both services."""
+
+    def __init__(self, engine: RouterEngine, seq: Sequence) -> None:
+        self._engine, self.seq = engine, seq
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        delta = await self.seq.outputs.get()
+        self._done = delta.finish_reason is not None
+        return delta
+
+    async def aclose(self) -> None:
+        self._done = True
+        if not self.seq.finished:
+            self._engine.finish(self.seq, FinishReason.ABORT, None)
+
+
 class RouterEngine:
     def __init__(self, config: RouterConfig, target_spec: str, draft_spec: str | None,
                  tokenizer_dir: str | Path) -> None:
@@ -52,17 +78,13 @@ class RouterEngine:
         self.metrics = Metrics(config.k_max)
         self.targets = parse_spec(target_spec)
         self.drafts = parse_spec(draft_spec) if draft_spec else None
-        tokenizer_dir = Path(tokenizer_dir)
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        self.codec = TextCodec(tokenizer_dir)
         self.fingerprint = tokenizer_fingerprint(tokenizer_dir)
-        cfg_path = tokenizer_dir / "tokenizer_config.json"
-        self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.sampling_defaults = SamplingParams.from_generation_config(tokenizer_dir)
         self.target_info: common_pb2.ModelInfo | None = None  # the first target's; all must agree
         self.lanes: dict[str, Lane] = {}
         self._ids = itertools.count(random.getrandbits(31) << 20)  # fresh ids per router instance
         self._seqs: dict[int, Sequence] = {}
-        self._lane_of: dict[int, Lane] = {}
-        self._builders: dict[int, OutputBuilder] = {}
         self._refresh: asyncio.Task | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -79,7 +101,8 @@ class RouterEngine:
             await asyncio.sleep(1.0)
         if self.targets.dynamic or (self.drafts is not None and self.drafts.dynamic):
             self._refresh = asyncio.create_task(self._refresh_loop())
-        log.info("router ready: %s", ", ".join(f"{n} (draft {lane.draft_address})" for n, lane in self.lanes.items()))
+        log.info("router ready: %s; sampling defaults %s", ", ".join(
+            f"{n} (draft {lane.draft_address})" for n, lane in self.lanes.items()), self.sampling_defaults)
 
     async def _discover(self) -> list[str]:
         """Add lanes for new target replicas, retire lanes whose replica left. Returns errors."""
@@ -106,7 +129,7 @@ class RouterEngine:
             self.target_info = lane.info
         lane.loop = StepLoop(self.config, lane.scheduler, lane.target, lane.draft, self.metrics,
                              min(lane.info.max_model_len, self.target_info.max_model_len),
-                             self._emit, self._finish_with, lambda: self._target_lost(lane))
+                             self._emit, self.finish, lambda: self._target_lost(lane))
         self.lanes[lane.name] = lane
         share_draft_capacity(list(self.lanes.values()))
         lane.task = asyncio.create_task(self._run(lane))
@@ -117,9 +140,9 @@ class RouterEngine:
     async def _retire(self, lane: Lane) -> None:
         log.warning("target replica %s left discovery", lane.name)
         lane.retired = True
-        self._relocate_pins(lane)
+        self._relocate(lane)
         for seq in lane.sequences():  # nowhere to go: the last replica left
-            self._finish_with(seq, FinishReason.ERROR, ServiceUnavailable(f"target replica {lane.name} is gone"))
+            self.finish(seq, FinishReason.ERROR, ServiceUnavailable(f"target replica {lane.name} is gone"))
         del self.lanes[lane.name]
         if lane.task:
             lane.task.cancel()
@@ -148,83 +171,84 @@ class RouterEngine:
             if lane.task:
                 lane.task.cancel()
         for seq in list(self._seqs.values()):
-            self._finish_with(seq, FinishReason.ABORT, ServiceUnavailable("router shutting down"))
+            self.finish(seq, FinishReason.ABORT, ServiceUnavailable("router shutting down"))
         for lane in self.lanes.values():
             await self._release(lane)
             await lane.draft.close()
         self.targets.close()
         if self.drafts:
             self.drafts.close()
+        self.codec.close()
 
     @property
     def ready(self) -> bool:
         return any(lane.up and lane.task is not None and not lane.task.done() for lane in self.lanes.values())
 
-    # ---- requests ----------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence every replica can hold: the model's limit, or less where the KV cache is smaller."""
+        assert self.target_info is not None and self.lanes, "engine not started"
+        n = min(self.target_info.max_model_len, max(lane.scheduler.max_tokens_alone() for lane in self.lanes.values()))
+        return min(n, self.config.max_model_len) if self.config.max_model_len else n
 
-    def validate(self, req: GenerationRequest) -> None:
+    # ---- requests ----------------------------------------------------------------------------
+    async def encode(self, text: str, field: str = "prompt") -> list[int]:
+        """Tokenize off the event loop; a text that surely exceeds the context is refused unencoded."""
+        return await self.codec.encode(text, self.max_model_len, field)
+
+    async def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        return await self.codec.encode_chat(messages, self.max_model_len)
+
+    def validate(self, req: Request) -> int:
+        """RequestError naming the first bad field; else the number of tokens the request may generate."""
         info = self.target_info
         assert info is not None and self.lanes, "engine not started"
-        if not req.prompt_ids:
+        n, limit = len(req.prompt_ids), self.max_model_len
+        if not n:
             raise RequestError("prompt", "must not be empty")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= info.vocab_size:
             raise RequestError("prompt", f"token ids must be in [0, {info.vocab_size})")
-        if req.max_tokens < 1:
-            raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
-        total = len(req.prompt_ids) + req.max_tokens
-        if total > info.max_model_len:
-            raise RequestError("max_tokens" if len(req.prompt_ids) < info.max_model_len else "prompt",
-                               f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds "
-                               f"the model's max_model_len {info.max_model_len}")
-        if not any(lane.scheduler.fits_ever(total) for lane in self.lanes.values()):
-            raise RequestError("max_tokens", f"{total} tokens would not fit in the KV cache even alone")
-        s = req.sampling
-        problems = validate_sampling(s.temperature, s.top_p, s.top_k, "sampling")
-        if problems:
-            raise RequestError(problems[0].split(" ", 1)[0].removeprefix("sampling."), problems[0])
+        if n >= limit:
+            raise RequestError("prompt", f"{n} tokens leave no room to generate within max_model_len {limit}")
+        if req.max_tokens is not None:
+            if req.max_tokens < 1:
+                raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
+            if n + req.max_tokens > limit:
+                raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds "
+                                                 f"max_model_len {limit}")
+        req.sampling.check()
+        if any(not s for s in req.stop):
+            raise RequestError("stop", "stop strings must not be empty")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
             raise RequestError("max_speculative_tokens", "must be >= 0")
+        return req.max_tokens if req.max_tokens is not None else limit - n
 
-    def submit(self, req: GenerationRequest) -> Sequence:
-        self.validate(req)
+    def submit(self, req: Request) -> RequestStream:
+        """Validate and queue a request (synchronous: raises before anything is queued)."""
+        max_tokens = self.validate(req)
+        if not self.ready:
+            raise ServiceUnavailable("not ready: the target service is unavailable")
+        total = len(req.prompt_ids) + max_tokens
+        lanes = [lane for lane in self.lanes.values() if lane.scheduler.fits_ever(total)]
         waiting = sum(len(lane.scheduler.waiting) for lane in self.lanes.values())
         if waiting >= self.config.max_waiting * len(self.lanes):
             raise Overloaded(f"{waiting} requests waiting; try again later")
-        lane = choose_lane(list(self.lanes.values())) or next(iter(self.lanes.values()))
-        seq = Sequence(seq_id=next(self._ids), request=req, tokens=list(req.prompt_ids),
-                       num_prompt=len(req.prompt_ids))
+        lane = choose_lane(lanes) or lanes[0]
         eos = set(self.target_info.eos_token_ids) if self.target_info else set()
-        self._builders[seq.seq_id] = OutputBuilder(self.tokenizer, req, eos)
+        seq = Sequence(seq_id=next(self._ids), request=req, tokens=list(req.prompt_ids), num_prompt=len(req.prompt_ids),
+                       output=OutputBuilder(self.codec.tokenizer, req, eos, max_tokens), lane=lane)
         self._seqs[seq.seq_id] = seq
-        self._lane_of[seq.seq_id] = lane
         lane.scheduler.add(seq)
         self.metrics.replica_assigned.labels(replica=lane.name).inc()
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         lane.wake.set()
-        return seq
-
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
-        """Deltas until one carries finish_reason. Closing the iterator early aborts the request
-        and frees its KV in both services."""
-        seq = self.submit(req)
-        try:
-            while True:
-                delta = await seq.outputs.get()
-                yield delta
-                if delta.finish_reason is not None:
-                    return
-        finally:
-            if not seq.finished:
-                self._finish_with(seq, FinishReason.ABORT, None)
+        return RequestStream(self, seq)
 
     # ---- loop callbacks --------------------------------------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
-        builder = self._builders[seq.seq_id]
-        kept, delta = builder.add(tokens, logprobs)
+        kept, delta = seq.output.add(tokens, logprobs)
         seq.tokens.extend(kept)
         now = time.monotonic()
         if kept:
@@ -241,25 +265,23 @@ class RouterEngine:
             self.metrics.generation_tokens.inc(len(kept))
         if delta is not None:
             seq.outputs.put_nowait(delta)
-        if builder.finish_reason is not None:
-            self._finish(seq, builder.finish_reason)
+        if seq.output.finish_reason is not None:
+            self._done(seq, seq.output.finish_reason)
 
-    def _finish_with(self, seq: Sequence, reason: FinishReason, error: Exception | None) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, error: Exception | None) -> None:
+        """End a sequence from outside its output (abort, error): its client gets a final Delta."""
         if seq.finished:
             return
-        seq.outputs.put_nowait(self._builders[seq.seq_id].abort(reason, error))
-        self._finish(seq, reason)
+        seq.outputs.put_nowait(seq.output.abort(reason, error))
+        self._done(seq, reason)
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _done(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finished = True
         seq.status = SeqStatus.FINISHED
-        lane = self._lane_of.pop(seq.seq_id)
+        lane = seq.lane
+        assert lane is not None
         lane.scheduler.remove(seq)
         self._seqs.pop(seq.seq_id, None)
-        self._builders.pop(seq.seq_id, None)
-        if lane.loop is not None:
-            lane.loop.trackers.pop(seq.seq_id, None)
-            lane.loop.next_k.pop(seq.seq_id, None)
         lane.to_release.append(seq.seq_id)
         self.metrics.requests.labels(finish_reason=reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - seq.arrival)
@@ -273,12 +295,11 @@ class RouterEngine:
         self.metrics.replica_up.labels(replica=lane.name, service="target").set(0)
         for seq in lane.sequences():
             seq.target_cached = 0  # whatever it held is gone or unknown: recompute from history
-        self._relocate_pins(lane)
+        self._relocate(lane)
 
-    def _relocate_pins(self, src: Lane) -> None:
-        """Move src's sequences to live replicas, if there are any, and re-pin them."""
-        for seq, dst in migrate(src, list(self.lanes.values()), self.metrics):
-            self._lane_of[seq.seq_id] = dst
+    def _relocate(self, src: Lane) -> None:
+        """Move src's sequences to live replicas that can hold them, if there are any."""
+        migrate(src, list(self.lanes.values()), self.metrics)
 
     # ---- the loop (one per replica) -------------------------------------------------------------
     async def _run(self, lane: Lane) -> None:
@@ -292,7 +313,7 @@ class RouterEngine:
             except Exception as err:  # a router bug must not hang requests: fail what was running
                 log.exception("step failed on %s", lane.name)
                 for seq in list(lane.scheduler.running):
-                    self._finish_with(seq, FinishReason.ERROR, err)
+                    self.finish(seq, FinishReason.ERROR, err)
                 did = True
             if lane.draft.info is not None and lane.scheduler.draft is None:
                 share_draft_capacity(list(self.lanes.values()))  # a draft that came up after the lane
@@ -310,11 +331,11 @@ class RouterEngine:
             info = await lane.target.info(timeout_s=2.0)
             self._check_target(info)
         except (ServiceDown, Rejected, IncompatibleTarget) as err:
-            self._relocate_pins(lane)  # requests that arrived meanwhile, when another replica can take them
+            self._relocate(lane)  # requests that arrived meanwhile, when another replica can take them
             waited = time.monotonic() - lane.down_since
             for seq in lane.sequences():
                 if min(waited, time.monotonic() - seq.arrival) > self.config.target_grace_s:
-                    self._finish_with(seq, FinishReason.ERROR, ServiceUnavailable(
+                    self.finish(seq, FinishReason.ERROR, ServiceUnavailable(
                         f"target unavailable for {waited:.0f}s (grace {self.config.target_grace_s:.0f}s): {err}"))
             self._update_gauges()
             await asyncio.sleep(0.5)

@@ -2,72 +2,78 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
-from router.core import Delta, GenerationRequest, Overloaded, RequestError, SamplingOptions, ServiceUnavailable
-from router.engine import RouterEngine
+from common.sampling import SamplingParams
+from router.core import Delta, Overloaded, Request, RequestError, ServiceUnavailable
+from router.engine import RequestStream, RouterEngine
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.Generate"
+log = logging.getLogger(__name__)
+
+
+def _status(err: Exception) -> tuple[grpc.StatusCode, str]:
+    """Our own errors say what happened; anything else is logged under an id, which is all the caller sees."""
+    if isinstance(err, RequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    if isinstance(err, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    if isinstance(err, ServiceUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(err)
+    log_id = uuid.uuid4().hex[:12]
+    log.error("request failed [log id %s]: %r", log_id, err)
+    return grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})"
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(self, engine: RouterEngine) -> None:
         self.engine = engine
 
-    def _request(self, msg: generate_pb2.GenerateRequest) -> GenerationRequest:
+    async def _request(self, msg: generate_pb2.GenerateRequest) -> Request:
         if msg.prompt and msg.prompt_token_ids:
             raise RequestError("prompt", "give prompt or prompt_token_ids, not both")
-        ids = list(msg.prompt_token_ids) if msg.prompt_token_ids else self.engine.encode(msg.prompt)
-        s = msg.sampling
-        return GenerationRequest(
-            request_id=msg.request_id or f"gen-{uuid.uuid4().hex}", prompt_ids=ids,
-            max_tokens=msg.max_tokens or self.engine.config.default_max_tokens,
-            sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                                     seed=s.seed if s.has_seed else None,
-                                     typical_acceptance=s.acceptance == common_pb2.ACCEPTANCE_TYPICAL),
-            stop=tuple(msg.stop), logprobs=msg.logprobs if msg.has_logprobs and msg.logprobs >= 0 else None,
-            max_speculative_tokens=msg.max_speculative_tokens if msg.has_max_speculative_tokens else None,
+        ids = list(msg.prompt_token_ids) if msg.prompt_token_ids else await self.engine.encode(msg.prompt)
+        sampling = self.engine.sampling_defaults.updated(**SamplingParams.given_in(msg.sampling))
+        return Request(
+            request_id=msg.request_id or f"gen-{uuid.uuid4().hex}", prompt_ids=ids, sampling=sampling,
+            max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, stop=tuple(msg.stop),
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+            max_speculative_tokens=msg.max_speculative_tokens if msg.HasField("max_speculative_tokens") else None,
             ignore_eos=msg.ignore_eos,
         )
 
-    async def _deltas(self, msg: generate_pb2.GenerateRequest,
-                      context: grpc.aio.ServicerContext) -> tuple[GenerationRequest, AsyncIterator[Delta]]:
-        if not self.engine.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "target service unavailable")
+    async def _submit(self, msg: generate_pb2.GenerateRequest,
+                      context: grpc.aio.ServicerContext) -> tuple[Request, RequestStream]:
         try:
-            req = self._request(msg)
-            self.engine.validate(req)
-            return req, self.engine.generate(req)
-        except RequestError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            req = await self._request(msg)
+            return req, self.engine.submit(req)
+        except (RequestError, Overloaded, ServiceUnavailable) as err:
+            await context.abort(*_status(err))
         raise AssertionError("unreachable")
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        req, stream = await self._deltas(request, context)
+        req, stream = await self._submit(request, context)
         try:
             async for delta in stream:
                 await _check(delta, context)
                 yield _response(req, [delta])
-        except Overloaded as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         finally:
             await stream.aclose()  # cancelled call: frees the sequence in both services
 
     async def GenerateUnary(self, request: generate_pb2.GenerateRequest,
                             context: grpc.aio.ServicerContext) -> generate_pb2.GenerateResponse:
-        req, stream = await self._deltas(request, context)
+        req, stream = await self._submit(request, context)
         deltas = []
         try:
             async for delta in stream:
                 await _check(delta, context)
                 deltas.append(delta)
-        except Overloaded as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         finally:
             await stream.aclose()
         return _response(req, deltas)
@@ -75,11 +81,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
 async def _check(delta: Delta, context: grpc.aio.ServicerContext) -> None:
     if delta.error is not None:
-        code = grpc.StatusCode.UNAVAILABLE if isinstance(delta.error, ServiceUnavailable) else grpc.StatusCode.INTERNAL
-        await context.abort(code, str(delta.error))
+        await context.abort(*_status(delta.error))
 
 
-def _response(req: GenerationRequest, deltas: list[Delta]) -> generate_pb2.GenerateResponse:
+def _response(req: Request, deltas: list[Delta]) -> generate_pb2.GenerateResponse:
     last = deltas[-1] if deltas else None
     lps = [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                    top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])

@@ -81,23 +81,20 @@ def choose_lane(lanes: list[Lane], exclude: Lane | None = None) -> Lane | None:
 
 
 def migrate(src: Lane, lanes: list[Lane], metrics: Metrics) -> list[tuple[Sequence, Lane]]:
-    """Move every sequence of src to other live lanes (front of their queues, original order).
-    Their caches there are empty: they recompute from history. Returns (sequence, new lane)."""
+    """Move every sequence of src to other live lanes that can ever hold it (front of their
+    queues, original order). Their caches there are empty: they recompute from history.
+    A sequence no other lane can hold stays. Returns (sequence, new lane)."""
     moved = []
     for seq in reversed(src.sequences()):
-        dst = choose_lane(lanes, exclude=src)
+        need = len(seq.request.prompt_ids) + seq.output.max_tokens
+        dst = choose_lane([lane for lane in lanes if lane.scheduler.fits_ever(need)], exclude=src)
         if dst is None:
-            break
+            continue
         src.scheduler.remove(seq)
         seq.status = SeqStatus.WAITING
-        seq.target_cached = seq.draft_cached = 0
-        seq.draft_stream = []
-        seq.draft_probs.clear()
+        seq.forget_caches()
+        seq.lane = dst
         dst.scheduler.waiting.appendleft(seq)
-        if src.loop is not None and dst.loop is not None:
-            if seq.seq_id in src.loop.trackers:
-                dst.loop.trackers[seq.seq_id] = src.loop.trackers.pop(seq.seq_id)
-            src.loop.next_k.pop(seq.seq_id, None)
         dst.wake.set()
         moved.append((seq, dst))
     if moved:

@@ -1,7 +1,9 @@
 """Start the whole stack on one machine: target, draft and router as three processes on loopback.
 
-    python -m router.launch --models models/demo            # what `make run` runs
-    python -m router.launch --models models/demo --no-draft  # target-only (k = 0)
+    tandem serve models/smollm2                     # a pair directory (target/ and draft/): what `make run` runs
+    tandem serve TARGET_DIR --draft DRAFT_DIR       # any two model directories sharing a tokenizer
+    tandem serve models/smollm2 --no-draft          # target-only (k = 0)
+    (python -m router.launch ... is the same command)
 
 Waits until the router answers /ready, prints how to call it, and on Ctrl-C (or SIGTERM) stops
 all three: the router first, then the services, each given time to finish what is in flight.
@@ -10,7 +12,6 @@ all three: the router first, then the services, each given time to finish what i
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import subprocess
@@ -19,6 +20,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common.cli import env_settable
 
 
 def free_port() -> int:
@@ -47,10 +50,25 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def resolve_models(model: Path, draft: Path | None, no_draft: bool) -> tuple[Path, Path | None]:
+    """(target dir, draft dir or None) from a model directory or a pair directory (target/ + draft/)."""
+    if not (model / "config.json").is_file() and (model / "target" / "config.json").is_file():
+        draft = draft or model / "draft"
+        model = model / "target"
+    if not (model / "config.json").is_file():
+        raise FileNotFoundError(f"no model in {model} (config.json): run `make models` first, or name a model dir")
+    if no_draft:
+        return model, None
+    if draft is not None and not (draft / "config.json").is_file():
+        raise FileNotFoundError(f"no draft model in {draft}: run `make models`, or pass --no-draft")
+    return model, draft
+
+
 @dataclass
 class Stack:
-    models: Path
-    draft: bool = True
+    target_dir: Path
+    draft_dir: Path | None = None
+    served_model_name: str = ""
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
@@ -60,6 +78,14 @@ class Stack:
     router_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     log_dir: Path | None = None
+
+    @property
+    def draft(self) -> bool:
+        return self.draft_dir is not None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target_dir.resolve().name
 
     @property
     def url(self) -> str:
@@ -73,12 +99,13 @@ class Stack:
     def start_service(self, name: str) -> None:
         port = self.target_port if name == "target" else self.draft_port
         module = "target_service" if name == "target" else "draft_service"
-        self._spawn(name, [module, "--model", str(self.models / name), "--host", self.host, "--port", str(port),
+        model = self.target_dir if name == "target" else self.draft_dir
+        self._spawn(name, [module, "--model", str(model), "--host", self.host, "--port", str(port),
                            *self.service_args])
 
     def start_router(self) -> None:
-        args = ["router", "--target", f"{self.host}:{self.target_port}", "--tokenizer", str(self.models / "target"),
-                "--served-model-name", self.models.name, "--host", self.host, "--http-port", str(self.http_port),
+        args = ["router", "--target", f"{self.host}:{self.target_port}", "--tokenizer", str(self.target_dir),
+                "--served-model-name", self.model_name, "--host", self.host, "--port", str(self.http_port),
                 "--grpc-port", str(self.grpc_port), *self.router_args]
         if self.draft:
             args += ["--draft", f"{self.host}:{self.draft_port}"]
@@ -134,31 +161,42 @@ class Stack:
         return codes
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m router.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="models/demo", help="directory with target/ and draft/ model dirs")
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", type=Path, default=None,
+                   help="target model directory, or a pair directory holding target/ and draft/")
+    p.add_argument("--models", type=Path, default=None, help=argparse.SUPPRESS)  # the old spelling of `model`
+    p.add_argument("--draft", type=Path, default=None, help="draft model directory (default: MODEL/draft of a pair)")
     p.add_argument("--no-draft", action="store_true", help="serve target-only (no speculation)")
+    p.add_argument("--served-model-name", default="", help="model name clients use (default: the target dir name)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=int(os.environ.get("TANDEM_HTTP_PORT", 8000)))
-    p.add_argument("--grpc-port", type=int, default=int(os.environ.get("TANDEM_GRPC_PORT", 50051)))
+    p.add_argument("--port", "--http-port", type=int, default=8000, help="the router's HTTP port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="the router's public gRPC port")
     p.add_argument("--target-port", type=int, default=50052)
     p.add_argument("--draft-port", type=int, default=50053)
     p.add_argument("--service-arg", action="append", default=[], help="extra flag for both services (repeat)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeat)")
-    args = p.parse_args(argv)
-    models = Path(args.models)
-    missing = [d for d in ("target", "draft") if not (models / d / "config.json").is_file()]
-    if missing and not (args.no_draft and missing == ["draft"]):
-        print(f"no model in {models}/{missing[0]}: run `make models` first", file=sys.stderr)
+    return env_settable(p)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    model = args.model or args.models
+    if model is None:
+        parser.error("name a model directory (e.g. models/smollm2)")
+    try:
+        target_dir, draft_dir = resolve_models(model, args.draft, args.no_draft)
+    except FileNotFoundError as err:
+        print(err, file=sys.stderr)
         return 2
-    stack = Stack(models, draft=not args.no_draft, host=args.host, http_port=args.http_port,
-                  grpc_port=args.grpc_port, target_port=args.target_port, draft_port=args.draft_port,
-                  service_args=args.service_arg, router_args=args.router_arg)
+    stack = Stack(target_dir, draft_dir, served_model_name=args.served_model_name, host=args.host,
+                  http_port=args.port, grpc_port=args.grpc_port, target_port=args.target_port,
+                  draft_port=args.draft_port, service_args=args.service_arg, router_args=args.router_arg)
     signal.signal(signal.SIGTERM, _interrupt)
     interrupted = False
     try:
-        print(f"starting target{' and draft' if stack.draft else ''} on {models} ...", flush=True)
+        print(f"starting target {target_dir}" + (f" and draft {draft_dir}" if draft_dir else "") + " ...", flush=True)
         stack.start()
         _print_usage(stack)
         while all(proc.poll() is None for proc in stack.procs.values()):
@@ -185,10 +223,13 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _print_usage(stack: Stack) -> None:
-    name = stack.models.name
+    name = stack.model_name
     mode = "" if stack.draft else "  [target-only]"
     print(f"""
 Tandem is ready: {stack.url}  (gRPC Generate on {stack.host}:{stack.grpc_port}){mode}
+
+  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
   curl {stack.url}/v1/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "{name}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'

@@ -19,7 +19,7 @@ from router.core import FinishReason, Sequence, TokenLogprob
 from router.drafting import DraftLane, ProposalRequest
 from router.metrics import Metrics
 from router.scheduler import Scheduler, StepPlan
-from router.spec_policy import AcceptanceTracker, DraftCost, StepCostModel, choose_k
+from router.spec_policy import DraftCost, StepCostModel, choose_k
 from tandem.v1 import target_pb2
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ class StepLoop:
         self._on_target_lost = on_target_lost
         self.cost = StepCostModel()
         self.draft_cost = DraftCost(pipelined=config.pipeline)
-        self.trackers: dict[int, AcceptanceTracker] = {}
-        self.next_k: dict[int, int] = {}  # desired k per sequence, sizes its next proposal
         self.steps = 0
         self._pending_release: list[int] = []
 
@@ -68,16 +66,13 @@ class StepLoop:
         caps = [self.spec_cap(s) for s in decoders]
         if self.config.dynamic_k:
             dyn = [i for i, s in enumerate(decoders) if not self._reproducible(s)]
-            rates = [self._tracker(decoders[i]).rate for i in dyn]
+            rates = [decoders[i].tracker.rate for i in dyn]
             chosen = choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost, self.draft_cost)
             for i, k in zip(dyn, chosen, strict=True):
                 caps[i] = k
         for seq, k in zip(decoders, caps, strict=True):
-            self.next_k[seq.seq_id] = k
+            seq.next_k = k
         return [min(k, len(s.proposal())) for s, k in zip(decoders, caps, strict=True)]
-
-    def _tracker(self, seq: Sequence) -> AcceptanceTracker:
-        return self.trackers.setdefault(seq.seq_id, AcceptanceTracker())
 
     def _decode_ready(self, seq: Sequence) -> bool:
         # Seeded sampling stays reproducible only if its k never depends on timing: it waits
@@ -171,7 +166,7 @@ class StepLoop:
         if not lacking:
             return 0.0
         self._choose_ks(running, 0)  # sizes proposals; a sequence the policy holds at k = 0 needs none
-        lacking = [s for s in lacking if self.next_k.get(s.seq_id, 0) > 0]
+        lacking = [s for s in lacking if s.next_k > 0]
         if not lacking:
             return 0.0
         if self.config.pipeline:
@@ -179,7 +174,7 @@ class StepLoop:
             lacking = [s for s in lacking if not others or not self._decode_ready(s)]
             if others and not lacking:
                 return 0.0
-        requests = [ProposalRequest(s, list(s.tokens), self.next_k[s.seq_id]) for s in lacking]
+        requests = [ProposalRequest(s, list(s.tokens), s.next_k) for s in lacking]
         return await self._propose(requests)
 
     async def _propose(self, requests: list[ProposalRequest]) -> float:
@@ -195,7 +190,7 @@ class StepLoop:
             return []
         requests = []
         for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
-            k_next = self.next_k.get(seq.seq_id, 0)
+            k_next = seq.next_k
             if k_next > 0:  # optimistic: all of `drafts` accepted; the first proposed token guesses the bonus
                 requests.append(ProposalRequest(seq, seq.tokens + drafts, k_next + 1))
         for c in plan.chunks:
@@ -214,7 +209,7 @@ class StepLoop:
         assert len(results) == len(plan.decodes) + len(plan.chunks)
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
             k = len(drafts)
-            self._tracker(seq).update(k, res.num_accepted)
+            seq.tracker.update(k, res.num_accepted)
             if k:
                 self.metrics.num_drafts.inc()
                 self.metrics.num_draft_tokens.inc(k)
@@ -245,7 +240,7 @@ class StepLoop:
         self.metrics.step_time.labels(part="router").observe(max(0.0, total_ms - response.forward_ms - draft_ms) / 1000)
         if self.config.pipeline and self.draft.up:
             for seq, _ in plan.decodes:
-                if self.next_k.get(seq.seq_id, 0) > 0 and not seq.finished:
+                if seq.next_k > 0 and not seq.finished:
                     self.metrics.pipeline_lookups.inc()
                     if seq.proposal():
                         self.metrics.pipeline_hits.inc()

@@ -1,6 +1,6 @@
-"""OpenAI-compatible request bodies (completions and chat), checked and turned into
-GenerationRequests. Extensions beyond OpenAI's fields: top_k, ignore_eos, max_speculative_tokens,
-typical_acceptance."""
+"""OpenAI-compatible request bodies (completions and chat), checked and turned into Requests.
+Extensions beyond OpenAI's fields: top_k, ignore_eos, max_speculative_tokens, typical_acceptance,
+return_token_ids. Sampling fields left out take the served model's defaults (generation_config.json)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from common.protocol import MAX_LOGPROBS
-from router.core import GenerationRequest, RequestError, SamplingOptions
+from common.sampling import SamplingParams
+from router.core import Request, RequestError
 
 MAX_STOP_STRINGS = 8
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
 class _Common(BaseModel):
@@ -19,9 +21,9 @@ class _Common(BaseModel):
 
     model: StrictStr
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | StrictInt = 1.0
-    top_p: StrictFloat | StrictInt = 1.0
-    top_k: StrictInt = 0
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
@@ -33,23 +35,19 @@ class _Common(BaseModel):
     return_token_ids: StrictBool = False  # extension: each choice also carries the generated token ids
     user: StrictStr | None = None
 
-    def _request(self, request_id: str, prompt_ids: list[int], default_max_tokens: int,
-                 logprobs: int | None) -> GenerationRequest:
+    def _request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams, logprobs: int | None,
+                 max_tokens: int | None) -> Request:
         if self.n != 1:
             raise RequestError("n", "only n = 1 is supported")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-            raise RequestError("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise RequestError("seed", "must be in [0, 2^63)")
-        return GenerationRequest(
-            request_id=request_id, prompt_ids=prompt_ids,
-            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-            sampling=SamplingOptions(temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k,
-                                     seed=self.seed, typical_acceptance=self.typical_acceptance),
-            stop=tuple(stop), logprobs=logprobs, max_speculative_tokens=self.max_speculative_tokens,
-            ignore_eos=self.ignore_eos,
-        )
+        if len(stop) > MAX_STOP_STRINGS:
+            raise RequestError("stop", f"at most {MAX_STOP_STRINGS} strings")
+        sampling = defaults.updated(temperature=None if self.temperature is None else float(self.temperature),
+                                    top_p=None if self.top_p is None else float(self.top_p), top_k=self.top_k,
+                                    seed=self.seed, typical_acceptance=self.typical_acceptance or None)
+        return Request(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
+                       stop=tuple(stop), logprobs=logprobs, max_speculative_tokens=self.max_speculative_tokens,
+                       ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:
@@ -63,7 +61,8 @@ class CompletionBody(_Common):
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
-    def to_request(self, request_id: str, encode, default_max_tokens: int) -> GenerationRequest:  # noqa: ANN001
+    def prompt_text(self) -> str | None:
+        """The prompt to tokenize, or None when it came as token ids."""
         if self.echo:
             raise RequestError("echo", "echo is not supported")
         if self.suffix:
@@ -71,12 +70,13 @@ class CompletionBody(_Common):
         if self.prompt == "" or self.prompt == [""]:
             raise RequestError("prompt", "must not be empty")
         if isinstance(self.prompt, str):
-            ids = encode(self.prompt)
-        elif self.prompt and isinstance(self.prompt[0], str):
-            ids = encode(self.prompt[0])
-        else:
-            ids = list(self.prompt)
-        return self._request(request_id, ids, default_max_tokens, self.logprobs)
+            return self.prompt
+        return self.prompt[0] if isinstance(self.prompt[0], str) else None
+
+    def to_request(self, request_id: str, prompt_ids: list[int] | None, defaults: SamplingParams) -> Request:
+        ids = prompt_ids if prompt_ids is not None else list(self.prompt)
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self._request(request_id, ids, defaults, self.logprobs, max_tokens)
 
 
 class ChatMessage(BaseModel):
@@ -101,12 +101,15 @@ class ChatBody(_Common):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
 
-    def to_request(self, request_id: str, prompt_ids: list[int], default_max_tokens: int) -> GenerationRequest:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
+    def conversation(self) -> list[tuple[str, str]]:
+        return [(m.role, m.text()) for m in self.messages]
+
+    def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams) -> Request:
+        """max_tokens unset: until EOS or the end of the context, as OpenAI's chat API does."""
+        max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "needs logprobs: true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise RequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._request(request_id, prompt_ids, default_max_tokens, logprobs)
+        return self._request(request_id, prompt_ids, defaults, logprobs, max_tokens)

@@ -1,80 +1,106 @@
 """Turning emitted token ids into what a client sees: incremental text, stop strings matched
-across token boundaries (and cut from the output), EOS and max_tokens."""
+across token boundaries (and cut from the output), EOS and max_tokens.
+
+Detokenization is incremental (tokenizers' DecodeStream: a token's text from a few tokens of
+context, an incomplete UTF-8 character held until its last byte), and stop strings are searched
+only in the text not yet sent plus the new piece, so a long answer costs linear work:
+
+    sent to the client        | unsent (held back: could start a stop string) | new piece
+    "def hello"               | "(wo"                                         | "rld"
+                                search region = unsent + new piece; no match ->
+                                send all but the last holdback = max(len(stop)) - 1 characters
+"""
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
-from router.core import Delta, FinishReason, GenerationRequest, TokenLogprob
+from router.core import Delta, FinishReason, Request, TokenLogprob
+
+_FLUSH_CONTEXT = 6  # tokens of left context to decode a held-back tail at the end (enough for any decoder)
 
 
 class OutputBuilder:
-    def __init__(self, tokenizer: Tokenizer, request: GenerationRequest, eos_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, request: Request, eos_ids: set[int], max_tokens: int) -> None:
         self.tokenizer = tokenizer
         self.request = request
+        self.max_tokens = max_tokens
         self.eos_ids = set() if request.ignore_eos else eos_ids
         self.output_ids: list[int] = []
-        self.text = ""
-        self._sent_chars = 0
-        self._sent_tokens = 0
-        self._holdback = max((len(s) for s in request.stop), default=1) - 1
         self.finish_reason: FinishReason | None = None
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._pending_ids: list[int] = []  # consumed by the stream, text not out yet (incomplete bytes)
+        self._unsent = ""  # decoded, not sent: may be the start of a stop string
+        self._holdback = max((len(s) for s in request.stop), default=1) - 1
+        self._sent_tokens = 0
+        self._cut = False  # a stop string matched: the text ends at it
+        self.chars_scanned = 0  # stop-string search work, for the linearity test
 
     def add(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> tuple[list[int], Delta | None]:
         """Take newly emitted tokens; return (tokens kept in the history, delta to send or None)."""
         assert self.finish_reason is None
         kept: list[int] = []
-        cut = False  # a stop string matched: self.text is already decoded and cut
+        out: list[str] = []
         for tok in token_ids:
             if tok in self.eos_ids:
                 self.finish_reason = FinishReason.STOP
                 break
             kept.append(tok)
             self.output_ids.append(tok)
-            if self._check_stop_strings():
-                cut = True
-                break
-            if len(self.output_ids) >= self.request.max_tokens:
+            piece = self._stream.step(self.tokenizer, tok)
+            if piece is None:
+                self._pending_ids.append(tok)
+            else:
+                self._pending_ids.clear()
+                if self._take(piece, out):
+                    break
+            if len(self.output_ids) >= self.max_tokens:
                 self.finish_reason = FinishReason.LENGTH
                 break
-        if not kept and self.finish_reason is None:
+        if self.finish_reason is None and not kept:
             return kept, None
-        if not cut:  # also on EOS / max_tokens: the text of this step's tokens must go out
-            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
-        return kept, self._delta(logprobs[: len(kept)] if logprobs is not None else None)
+        if self.finish_reason is not None and not self._cut:
+            self._flush(out)
+        return kept, self._delta("".join(out), logprobs[: len(kept)] if logprobs is not None else None)
 
-    def _check_stop_strings(self) -> bool:
+    def _take(self, piece: str, out: list[str]) -> bool:
+        """Append decoded text; True when a stop string completed (the text is cut there)."""
         if not self.request.stop:
+            out.append(piece)
             return False
-        text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
-        # only the tail can hold a new match: earlier text was checked on earlier tokens
-        search_from = max(0, len(self.text) - self._holdback - 1)
-        hits = [i for i in (text.find(s, search_from) for s in self.request.stop) if i >= 0]
-        self.text = text
+        region = self._unsent + piece
+        self.chars_scanned += len(region)
+        hits = [i for i in (region.find(s) for s in self.request.stop) if i >= 0]
         if hits:
-            self.text = text[: min(hits)]
+            out.append(region[: min(hits)])
+            self._unsent = ""
             self.finish_reason = FinishReason.STOP
+            self._cut = True
             return True
+        keep = min(self._holdback, len(region))
+        out.append(region[: len(region) - keep])
+        self._unsent = region[len(region) - keep:]
         return False
 
-    def _delta(self, logprobs: list[TokenLogprob] | None) -> Delta | None:
-        finished = self.finish_reason is not None
-        end = len(self.text)
-        if not finished:
-            while end > self._sent_chars and self.text[end - 1] == "\ufffd":
-                end -= 1  # an incomplete UTF-8 sequence: wait for its next byte
-            end -= self._holdback  # could be the start of a stop string (whose end may be that character)
-        end = max(end, self._sent_chars)
+    def _flush(self, out: list[str]) -> None:
+        """Finished without a stop string: release the held-back text and any incomplete bytes."""
+        if self._pending_ids:
+            n = len(self.output_ids) - len(self._pending_ids)
+            context = self.output_ids[max(0, n - _FLUSH_CONTEXT):n]
+            whole = self.tokenizer.decode(context + self._pending_ids, skip_special_tokens=True)
+            self._unsent += whole[len(self.tokenizer.decode(context, skip_special_tokens=True)):]
+            self._pending_ids.clear()
+        out.append(self._unsent)
+        self._unsent = ""
+
+    def _delta(self, text: str, logprobs: list[TokenLogprob] | None) -> Delta | None:
         new_tokens = self.output_ids[self._sent_tokens:]
-        if end == self._sent_chars and not finished and not new_tokens:
+        if not text and not new_tokens and self.finish_reason is None:
             return None
-        delta = Delta(
-            token_ids=new_tokens, text=self.text[self._sent_chars:end], logprobs=logprobs,
-            finish_reason=self.finish_reason, completion_tokens=len(self.output_ids),
-            prompt_tokens=len(self.request.prompt_ids),
-        )
-        self._sent_chars, self._sent_tokens = end, len(self.output_ids)
-        return delta
+        self._sent_tokens = len(self.output_ids)
+        return Delta(token_ids=new_tokens, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
+                     completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids))
 
     def abort(self, reason: FinishReason, error: Exception | None = None) -> Delta:
         self.finish_reason = reason

@@ -82,9 +82,15 @@ class Scheduler:
 
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a sequence of num_tokens could ever run alone (else refuse it at the door)."""
-        t = self.target.blocks(num_tokens + self.config.k_max + 1)
-        d = self.draft.blocks(num_tokens + 2 * (self.config.k_max + 1)) if self.draft else 0
-        return self._fits(t, d)
+        return num_tokens <= self.max_tokens_alone()
+
+    def max_tokens_alone(self) -> int:
+        """The longest sequence that fits both caches alone, speculation lookahead included."""
+        lookahead = self.config.k_max + 1
+        n = self.target.num_blocks * self.target.block_size - lookahead
+        if self.draft is not None:
+            n = min(n, self.draft.num_blocks * self.draft.block_size - 2 * lookahead)
+        return max(0, n)
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -100,9 +106,7 @@ class Scheduler:
         """Drop seq's caches; it goes back to the front of the queue and recomputes later."""
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
-        seq.target_cached = seq.draft_cached = 0
-        seq.draft_stream = []
-        seq.draft_probs.clear()
+        seq.forget_caches()
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 

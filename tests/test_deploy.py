@@ -320,7 +320,7 @@ def test_container_args_parse_with_the_real_clis(rendered):
         assert a.host == "0.0.0.0", f"{comp}: --host must be 0.0.0.0 in a pod"
         assert a.port == port and port in container_ports(deps[comp]), f"{comp}: --port {a.port} is not its port"
         assert a.model == f"/models/{comp}" and mounted(deps[comp], a.model), f"{comp}: --model {a.model} unmounted"
-        assert a.max_draft_tokens >= args["router"].k_max, f"{comp}: --max-draft-tokens < the router's --k-max"
+        assert a.max_draft_tokens >= args["router"].num_speculative_tokens, f"{comp}: --max-draft-tokens < k"
         grace = pod_spec(deps[comp]).get("terminationGracePeriodSeconds", 30)
         assert grace >= a.grace_seconds + 5, f"{comp}: terminationGracePeriodSeconds {grace} leaves no room " \
                                              f"after --grace-seconds {a.grace_seconds}"
@@ -329,7 +329,7 @@ def test_container_args_parse_with_the_real_clis(rendered):
     r = args["router"]
     assert r.host == "0.0.0.0"
     ports = container_ports(deps["router"])
-    assert ports.get("http") == r.http_port == ROUTER_PORTS["http"]
+    assert ports.get("http") == r.port == ROUTER_PORTS["http"]
     assert ports.get("grpc") == r.grpc_port == ROUTER_PORTS["grpc"]
     assert mounted(deps["router"], r.tokenizer), f"router: --tokenizer {r.tokenizer} is not on a mounted volume"
     assert r.tokenizer == args["target"].model, "router: --tokenizer should be the target's model directory"

@@ -66,8 +66,7 @@ def svc(draft_dir):
 
 def entry(seq_id: int, start_pos: int, tokens: list[int], k: int, guess: bool = False, temperature: float = 0.0,
           seed: int | None = None, top_k: int = 0, top_p: float = 0.0) -> draft_pb2.ProposeEntry:
-    sp = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed or 0,
-                                   has_seed=seed is not None)
+    sp = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed)
     return draft_pb2.ProposeEntry(seq_id=seq_id, start_pos=start_pos, tokens=tokens, k=k, sampling=sp,
                                   want_guess=guess)
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from router.core import Delta, FinishReason, GenerationRequest, TokenLogprob
+from router.core import GREEDY, Delta, FinishReason, Request, TokenLogprob
 from router.output import OutputBuilder
 from tests.conftest import write_tokenizer
 
@@ -28,8 +28,8 @@ def tok(tmp_path_factory) -> Tokenizer:
 
 
 def builder(tok: Tokenizer, stop: tuple[str, ...] = (), max_tokens: int = 1000, ignore_eos: bool = False):
-    req = GenerationRequest("r", prompt_ids=[5, 6, 7], max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos)
-    return OutputBuilder(tok, req, {EOS})
+    req = Request("r", prompt_ids=[5, 6, 7], sampling=GREEDY, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos)
+    return OutputBuilder(tok, req, {EOS}, max_tokens)
 
 
 def feed(b: OutputBuilder, groups: list[list[int]]) -> tuple[list[int], list[Delta]]:
@@ -222,7 +222,7 @@ def test_streamed_text_is_the_final_text_and_never_leaks_a_stop_string(tok, data
     max_tokens = data.draw(st.integers(1, len(ids) + 2))
     groups = _splits(ids, data.draw(st.lists(st.integers(0, 200), max_size=8)))
 
-    b = OutputBuilder(tok, GenerationRequest("r", [5], max_tokens=max_tokens, stop=stop), {EOS})
+    b = OutputBuilder(tok, Request("r", [5], GREEDY, max_tokens=max_tokens, stop=stop), {EOS}, max_tokens)
     kept, deltas = feed(b, groups)
     want_kept, want_text, want_reason = reference(tok, ids, stop, max_tokens)
 
@@ -240,3 +240,22 @@ def test_streamed_text_is_the_final_text_and_never_leaks_a_stop_string(tok, data
     else:
         assert b.finish_reason is None
         assert want_text.startswith(streamed(deltas))
+
+
+# ---- cost -------------------------------------------------------------------------------------------------
+def test_a_long_answer_costs_linear_work(tok):
+    """4,000 tokens one per step with stop strings set: every character is scanned for stop strings a
+    bounded number of times (the old builder re-decoded the whole output each step: ~n^2/2)."""
+    import sysconfig
+    from pathlib import Path
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
+    ids = tok.encode(text).ids[:4000]
+    assert len(ids) == 4000
+    stop = ("\x00never", "zq")
+    b = builder(tok, stop=stop, max_tokens=4000)
+    kept, deltas = feed(b, [[t] for t in ids])
+    assert kept == ids and deltas[-1].finish_reason is FinishReason.LENGTH
+    assert streamed(deltas) == tok.decode(ids)
+    holdback = max(len(s) for s in stop) - 1
+    assert b.chars_scanned <= len(streamed(deltas)) + holdback * len(ids)

@@ -20,11 +20,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
-from router.chat import ChatFormatter
 from router.config import RouterConfig
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.conftest import hf_greedy, hf_logits
 from tests.stack import running_stack, start_router, wait_until
+
+GREEDY_PB = common_pb2.SamplingParams(temperature=0.0)
 
 MAX_MODEL_LEN = 512  # model_pair's max_position_embeddings
 TEXT_PROMPT = "def fill(text, width=70, **kwargs):\n    "
@@ -232,7 +233,7 @@ def test_final_text_has_every_token(stack, channel):
     r = post(router.url, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=20)
     texts["chat"] = (r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["token_ids"])
     one = generate_pb2_grpc.GenerateStub(channel).GenerateUnary(generate_pb2.GenerateRequest(
-        prompt_token_ids=IDS_PROMPT, max_tokens=20, ignore_eos=True), timeout=60)
+        prompt_token_ids=IDS_PROMPT, max_tokens=20, ignore_eos=True, sampling=GREEDY_PB), timeout=60)
     texts["grpc"] = (one.text, list(one.token_ids))
     r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=25, ignore_eos=False)  # ends at EOS
     assert r.json()["choices"][0]["finish_reason"] == "stop"
@@ -292,29 +293,6 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
                  "{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}"
                  "<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def test_chat_formatter_renders_template_like_transformers(tmp_path, model_pair):
-    target_dir = model_pair[0]
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(target_dir / f, tmp_path / f)
-    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert "chat_template" not in cfg, "model_pair is expected to have no chat template"
-    msgs = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Wrap it")]
-    assert ChatFormatter(cfg).render(msgs) == "".join(f"{r}: {c}\n" for r, c in msgs) + "assistant:"
-    cfg["chat_template"] = CHAT_TEMPLATE
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    hf = AutoTokenizer.from_pretrained(tmp_path)
-    as_dicts = [{"role": r, "content": c} for r, c in msgs]
-    rendered = ChatFormatter(cfg).render(msgs)
-    assert rendered == hf.apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=True)
-    assert rendered.startswith("<s><system>Be brief.</s>\n") and rendered.endswith("<assistant>")
-    # named templates: the default one is used
-    named = {**cfg, "chat_template": [{"name": "tool_use", "template": "nope"},
-                                      {"name": "default", "template": CHAT_TEMPLATE}]}
-    assert ChatFormatter(named).render(msgs) == rendered
-    with pytest.raises(Exception, match="tool messages"):
-        ChatFormatter(cfg).render([("tool", "x")])
 
 
 def test_chat_with_template_router(stack, tmp_path):
@@ -429,6 +407,7 @@ BAD = {
     "temperature-negative": ("/v1/completions", {**OK, "temperature": -0.5}, 400, "temperature", "temperature",
                              None),
     "top_p-1.5": ("/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p", "top_p", None),
+    "top_p-0": ("/v1/completions", {**OK, "top_p": 0}, 400, "top_p", "top_p", None),  # was read as 1.0
     "top_k-negative": ("/v1/completions", {**OK, "top_k": -1}, 400, "top_k", "top_k", None),
     "logprobs-99": ("/v1/completions", {**OK, "logprobs": 99}, 400, "logprobs", "logprobs", None),
     "chat-top_logprobs-99": ("/v1/chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 99}, 400,
@@ -509,7 +488,7 @@ def test_overload_gets_429_and_the_rest_succeed(stack):
             barrier.wait()
             try:
                 return "grpc", stub.GenerateUnary(generate_pb2.GenerateRequest(
-                    prompt_token_ids=IDS_PROMPT, max_tokens=60, ignore_eos=True), timeout=60)
+                    prompt_token_ids=IDS_PROMPT, max_tokens=60, ignore_eos=True, sampling=GREEDY_PB), timeout=60)
             except grpc.RpcError as err:
                 return "grpc", err
 
@@ -552,7 +531,7 @@ def test_grpc_generate_streaming_and_unary_match_transformers(stack, channel):
     stub, target_dir = generate_pb2_grpc.GenerateStub(channel), stack["dirs"][0]
     want = hf_greedy(target_dir, IDS_PROMPT, 20)
     req = generate_pb2.GenerateRequest(request_id="g-1", prompt_token_ids=IDS_PROMPT, max_tokens=20,
-                                       ignore_eos=True)
+                                       ignore_eos=True, sampling=GREEDY_PB)
     msgs = list(stub.Generate(req, timeout=60))
     assert len(msgs) >= 2
     assert [t for m in msgs for t in m.token_ids] == want
@@ -567,7 +546,7 @@ def test_grpc_generate_streaming_and_unary_match_transformers(stack, channel):
     # text prompt, logprobs, stop string
     ids = encode(stack["tok"], TEXT_PROMPT)
     one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt=TEXT_PROMPT, max_tokens=8, ignore_eos=True,
-                                                          logprobs=2, has_logprobs=True), timeout=60)
+                                                          logprobs=2, sampling=GREEDY_PB), timeout=60)
     assert list(one.token_ids) == hf_greedy(target_dir, ids, 8) and one.prompt_tokens == len(ids)
     assert one.request_id.startswith("gen-")
     chosen, top_ids, _ = ref_logprobs(target_dir, ids, list(one.token_ids), 2)
@@ -576,7 +555,7 @@ def test_grpc_generate_streaming_and_unary_match_transformers(stack, channel):
     assert [list(lp.top_token_ids) for lp in one.logprobs] == top_ids.tolist()
     full, _, stop, expected = _stop_case(stack["tok"], target_dir)
     one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=40, stop=[stop],
-                                                          ignore_eos=True), timeout=60)
+                                                          ignore_eos=True, sampling=GREEDY_PB), timeout=60)
     assert one.text == expected and one.finish_reason == "stop"
 
 
@@ -589,7 +568,10 @@ GRPC_BAD = {
     "too-long": (dict(prompt_token_ids=[5], max_tokens=MAX_MODEL_LEN), "max_tokens"),
     "negative-max_tokens": (dict(prompt_token_ids=[5], max_tokens=-3), "max_tokens"),
     "top_k-negative": (dict(prompt_token_ids=[5], sampling=common_pb2.SamplingParams(top_k=-2)), "top_k"),
-    "logprobs-99": (dict(prompt_token_ids=[5], logprobs=99, has_logprobs=True), "logprobs"),
+    "logprobs-99": (dict(prompt_token_ids=[5], logprobs=99), "logprobs"),
+    "zero-max_tokens": (dict(prompt_token_ids=[5], max_tokens=0), "max_tokens"),  # was read as "default"
+    "zero-top_p": (dict(prompt_token_ids=[5], sampling=common_pb2.SamplingParams(top_p=0.0)), "top_p"),
+    "empty-stop-string": (dict(prompt_token_ids=[5], stop=["x", ""]), "stop"),
 }
 
 
@@ -605,7 +587,7 @@ def test_grpc_bad_input_is_invalid_argument(stack, channel, case):
         list(stub.Generate(req, timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and names in err.value.details()
     one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=3,
-                                                          ignore_eos=True), timeout=30)
+                                                          ignore_eos=True, sampling=GREEDY_PB), timeout=30)
     assert list(one.token_ids) == hf_greedy(stack["dirs"][0], IDS_PROMPT, 3)
 
 
@@ -614,7 +596,7 @@ def test_grpc_cancelled_stream_frees_kv_in_both_services(stack, channel):
     assert wait_until(lambda: trunner.blocks.num_free == trunner.config.num_blocks, 10)
     aborted = sample(metrics_text(stack["router"].url), "tandem:requests_total", 'finish_reason="abort"') or 0
     call = generate_pb2_grpc.GenerateStub(channel).Generate(generate_pb2.GenerateRequest(
-        prompt_token_ids=TOO_LONG[:100], max_tokens=400, ignore_eos=True), timeout=60)
+        prompt_token_ids=TOO_LONG[:100], max_tokens=400, ignore_eos=True, sampling=GREEDY_PB), timeout=60)
     got = [next(call) for _ in range(3)]
     assert all(m.token_ids for m in got)
     assert trunner.blocks.num_free < trunner.config.num_blocks  # the sequence holds KV while it streams
@@ -654,3 +636,13 @@ def test_target_gone_ready_503_and_requests_fail_cleanly(stack, channel):
         generate_pb2_grpc.GenerateStub(channel).GenerateUnary(
             generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=3), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_router_does_not_import_torch():
+    """The router is a CPU front end: it must start without loading PyTorch (seconds and GBs)."""
+    import subprocess
+    import sys
+
+    code = "import sys, router.server, router.__main__, router.launch; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.config import RouterConfig
-from router.core import GenerationRequest, SeqStatus, Sequence
+from router.core import GREEDY, Request, SeqStatus, Sequence
 from router.scheduler import CacheGeometry, Scheduler, StepPlan
 
 VOCAB = 50_000
@@ -118,7 +118,7 @@ def wild_ks(decoders: list[Sequence], prefill_tokens: int) -> list[int]:
 
 
 def make_seq(seq_id: int, prompt: list[int], max_tokens: int) -> Sequence:
-    req = GenerationRequest(request_id=f"r{seq_id}", prompt_ids=list(prompt), max_tokens=max_tokens)
+    req = Request(request_id=f"r{seq_id}", prompt_ids=list(prompt), sampling=GREEDY, max_tokens=max_tokens)
     return Sequence(seq_id=seq_id, request=req, tokens=list(prompt), num_prompt=len(prompt))
 
 

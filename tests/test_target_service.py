@@ -135,7 +135,7 @@ def test_verification_mixed_with_prefill_matches_transformers(stub, model_dir):
 
 
 def _sampled(seed: int, temperature: float = 0.9) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=temperature, top_k=40, seed=seed, has_seed=True)
+    return common_pb2.SamplingParams(temperature=temperature, top_k=40, seed=seed)
 
 
 def _dists(draft: list[int]) -> list[common_pb2.SparseDist]:

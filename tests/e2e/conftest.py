@@ -61,8 +61,9 @@ def stack(models_dir, tmp_path_factory):
         yield ClusterStack(models_dir)
         return
     logs = tmp_path_factory.mktemp("logs")
-    s = Stack(models_dir, http_port=free_port(), grpc_port=free_port(), target_port=free_port(),
-              draft_port=free_port(), log_dir=logs,
+    s = Stack(models_dir / "target", models_dir / "draft", served_model_name=models_dir.name,
+              http_port=free_port(), grpc_port=free_port(), target_port=free_port(), draft_port=free_port(),
+              log_dir=logs,
               service_args=["--num-blocks", "512", "--threads", "1"],
               router_args=["--max-num-batched-tokens", "128", "--max-num-seqs", "32", "--draft-timeout", "2",
                            "--target-grace", "60", "--max-waiting", "512"])

@@ -31,7 +31,7 @@ def client(stack) -> OpenAI:
 
 @pytest.fixture(scope="module")
 def model(stack) -> str:
-    return getattr(stack, "served_name", stack.models.name)
+    return getattr(stack, "served_name", None) or stack.model_name
 
 
 def test_completions_greedy_equal_transformers(client, model, ref):

@@ -1,0 +1,85 @@
+"""OpenAI response shapes for completions and chat: streamed chunks, the usage chunk, whole answers."""
+
+from __future__ import annotations
+
+import time
+
+from router.core import Delta, FinishReason, Request
+
+
+def _finish(delta: Delta) -> str | None:
+    if delta.finish_reason is None:
+        return None
+    return "stop" if delta.finish_reason in (FinishReason.STOP, FinishReason.ABORT) else delta.finish_reason.value
+
+
+def _usage(last: Delta) -> dict:
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens}
+
+
+def _top_by_text(top: list[tuple[int, float]], dec) -> dict[str, float]:  # noqa: ANN001
+    """OpenAI's completions top_logprobs are keyed by token text; when two alternatives decode alike
+    (byte tokens of a partial UTF-8 character), the more likely one keeps the key."""
+    out: dict[str, float] = {}
+    for t, v in top:  # best first
+        out.setdefault(dec([t]), v)
+    return out
+
+
+class CompletionFormat:
+    object_name = "text_completion"
+    chunk_name = "text_completion"
+
+    def __init__(self, decode, model: str, req: Request, token_ids: bool) -> None:  # noqa: ANN001
+        self.decode, self.model, self.req, self.created = decode, model, req, int(time.time())
+        self.token_ids = token_ids
+
+    def _with_ids(self, choice: dict, deltas: list[Delta]) -> dict:
+        if self.token_ids:
+            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
+        return choice
+
+    def _logprobs(self, deltas: list[Delta]) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        lps = [lp for d in deltas for lp in (d.logprobs or [])]
+        dec = self.decode
+        return {"tokens": [dec([lp.token_id]) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [_top_by_text(lp.top, dec) for lp in lps]}
+
+    def _base(self, choices: list[dict], obj: str) -> dict:
+        return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
+        text = "".join(d.text for d in deltas)
+        return {"index": 0, "text": text, "logprobs": self._logprobs(deltas), "finish_reason": _finish(deltas[-1])}
+
+    def chunk(self, d: Delta) -> dict:
+        return self._base([self._with_ids(self._choice([d], True), [d])], self.chunk_name)
+
+    def usage_chunk(self, last: Delta) -> dict:
+        return {**self._base([], self.chunk_name), "usage": _usage(last)}
+
+    def whole(self, deltas: list[Delta]) -> dict:
+        return {**self._base([self._with_ids(self._choice(deltas, False), deltas)], self.object_name),
+                "usage": _usage(deltas[-1])}
+
+
+class ChatFormat(CompletionFormat):
+    object_name = "chat.completion"
+    chunk_name = "chat.completion.chunk"
+
+    def _logprobs(self, deltas: list[Delta]) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        dec = self.decode
+        return {"content": [{"token": dec([lp.token_id]), "logprob": lp.logprob,
+                             "top_logprobs": [{"token": dec([t]), "logprob": v} for t, v in lp.top]}
+                            for d in deltas for lp in (d.logprobs or [])]}
+
+    def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
+        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
+        return {"index": 0, "delta" if streamed else "message": message, "logprobs": self._logprobs(deltas),
+                "finish_reason": _finish(deltas[-1])}

@@ -1,0 +1,124 @@
+"""Chat prompts are token-identical to transformers' apply_chat_template, for templates in the
+styles of SmolLM2 (ChatML with a default system prompt), Llama 3 (BOS in the template, a dated
+system header from strftime_now, loop controls) and Qwen2 (tools rendered with tojson, namespace),
+saved the transformers-5 way (chat_template.jinja beside tokenizer_config.json)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from router.chat import ChatFormatter
+from router.codec import TextCodec
+from tests.conftest import write_tokenizer
+
+SMOLLM2_STYLE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+LLAMA3_STYLE = (
+    "{{- bos_token }}\n{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}"
+    "{%- endif %}\n{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}\n"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{{- 'Today Date: ' + date_string + '\\n\\n' }}"
+    "{{- system_message }}{{- '<|eot_id|>' }}\n"
+    "{%- for message in messages %}{%- if message['role'] == 'tool' %}{%- continue %}{%- endif %}"
+    "{%- if message['role'] not in ['user', 'assistant'] %}{{- raise_exception('unexpected role ' + message['role']) }}"
+    "{%- endif %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{%- if loop.index > 50 %}{%- break %}{%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}\n")
+
+QWEN2_STYLE = (
+    "{%- set ns = namespace(system_seen=false) %}\n{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- endif %}\n{%- for message in messages %}{%- if message.role == 'system' %}{%- set ns.system_seen = true %}"
+    "{%- endif %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}\n"
+    "{%- if not ns.system_seen %}{{- '<|im_start|>system\\nYou are Qwen <\"é\">.<|im_end|>\\n' }}{%- endif %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n")
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>"]
+TEMPLATES = {"smollm2": (SMOLLM2_STYLE, "<|im_start|>"), "llama3": (LLAMA3_STYLE, "<|begin_of_text|>"),
+             "qwen2": (QWEN2_STYLE, None)}
+CONVERSATIONS = [
+    [("user", "What is the capital of France?")],
+    [("system", "Be brief & exact."), ("user", "Hi <b>there</b>"), ("assistant", "Hello!"), ("user", "Sort [3, 1, 2]")],
+]
+
+
+def save_transformers5_layout(directory: Path, template: str, bos: str | None) -> Path:
+    """tokenizer.json with the chat special tokens, tokenizer_config.json without a template,
+    chat_template.jinja beside it (what transformers 5 save_pretrained writes)."""
+    write_tokenizer(directory)
+    tok = json.loads((directory / "tokenizer.json").read_text())
+    next_id = max(t["id"] for t in tok["added_tokens"]) + len(tok["model"]["vocab"])
+    for i, content in enumerate(SPECIALS):
+        tok["added_tokens"].append({"id": next_id + i, "content": content, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+    (directory / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["bos_token"] = bos or "<s>"
+    config["eos_token"] = "<|im_end|>"
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(template)
+    return directory
+
+
+@pytest.mark.parametrize("style", sorted(TEMPLATES))
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_chat_prompt_tokens_equal_transformers(tmp_path, style, conversation):
+    template, bos = TEMPLATES[style]
+    d = save_transformers5_layout(tmp_path / style, template, bos)
+    msgs = CONVERSATIONS[conversation]
+    hf = AutoTokenizer.from_pretrained(d)
+    want = hf.apply_chat_template([{"role": r, "content": c} for r, c in msgs], tokenize=True,
+                                  add_generation_prompt=True, return_dict=False)
+    codec = TextCodec(d)
+    got = asyncio.run(codec.encode_chat(msgs, 100_000))
+    assert got == want
+    codec.close()
+    if bos is not None and template.count("bos_token"):
+        assert got.count(hf.convert_tokens_to_ids(bos)) == 1, "BOS once, from the template: never a second one"
+
+
+def test_template_from_tokenizer_config_and_named_templates(tmp_path):
+    """Older checkpoints keep the template in tokenizer_config.json; a list of named templates uses "default"."""
+    d = save_transformers5_layout(tmp_path / "old", SMOLLM2_STYLE, None)
+    (d / "chat_template.jinja").unlink()
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    msgs = CONVERSATIONS[1]
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": SMOLLM2_STYLE}))
+    rendered = ChatFormatter.from_dir(d).render(msgs)
+    assert rendered.startswith("<|im_start|>system\nBe brief") and rendered.endswith("<|im_start|>assistant\n")
+    named = [{"name": "tool_use", "template": "nope"}, {"name": "default", "template": SMOLLM2_STYLE}]
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    assert ChatFormatter.from_dir(d).render(msgs) == rendered
+
+
+def test_no_template_falls_back_to_plain_roles(tmp_path):
+    write_tokenizer(tmp_path)
+    msgs = [("system", "Be brief."), ("user", "Hi")]
+    assert ChatFormatter.from_dir(tmp_path).render(msgs) == "system: Be brief.\nuser: Hi\nassistant:"
+
+
+def test_a_template_may_refuse_a_conversation(tmp_path):
+    d = save_transformers5_layout(tmp_path / "l3", LLAMA3_STYLE, "<|begin_of_text|>")
+    with pytest.raises(Exception, match="unexpected role developer"):
+        ChatFormatter.from_dir(d).render([("developer", "x")])
+
+
+def test_tojson_does_not_escape_html_or_unicode(tmp_path):
+    """transformers' tojson keeps <, >, & and non-ASCII as they are (jinja's own escapes them)."""
+    d = save_transformers5_layout(tmp_path / "q", QWEN2_STYLE, None)
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "<b>café</b> & more"}}]
+    msgs = [("user", "find it")]
+    want = AutoTokenizer.from_pretrained(d).apply_chat_template(
+        [{"role": r, "content": c} for r, c in msgs], tools=tools, tokenize=False, add_generation_prompt=True)
+    got = ChatFormatter.from_dir(d).render(msgs, tools=tools)
+    assert got == want and '"<b>café</b> & more"' in got

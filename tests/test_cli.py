@@ -1,0 +1,56 @@
+"""Every flag is also a TANDEM_* environment variable, defined once; `tandem` dispatches to the parts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from common.cli import env_settable
+from router.__main__ import build_parser as router_parser
+from router.__main__ import config_from_args
+
+
+def parse(environ: dict[str, str], argv: list[str]):
+    parser = router_parser()
+    return env_settable(parser, environ).parse_args(argv)
+
+
+BASE = ["--target", "t:1", "--tokenizer", "tok"]
+
+
+def test_environment_sets_defaults_and_flags_win():
+    args = parse({"TANDEM_MAX_NUM_SEQS": "7", "TANDEM_NUM_SPECULATIVE_TOKENS": "2", "TANDEM_NO_PIPELINE": "true"},
+                 [*BASE, "--num-speculative-tokens", "3"])
+    config = config_from_args(args)
+    assert (config.max_num_seqs, config.k_max, config.pipeline) == (7, 3, False)
+
+
+def test_required_flags_may_come_from_the_environment():
+    args = parse({"TANDEM_TARGET": "a:1,b:2", "TANDEM_TOKENIZER": "/m"}, [])
+    assert (args.target, args.tokenizer) == ("a:1,b:2", "/m")
+
+
+def test_vllm_names_and_old_aliases_are_one_flag():
+    assert parse({}, [*BASE, "--k-max", "5", "--http-port", "9"]).num_speculative_tokens == 5
+    assert parse({}, [*BASE, "--port", "9"]).port == 9
+
+
+@pytest.mark.parametrize("environ", [{"TANDEM_MAX_NUM_SEQS": "many"}, {"TANDEM_NO_PIPELINE": "maybe"}])
+def test_a_bad_environment_value_is_refused_like_a_bad_flag(environ, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(environ, BASE)
+    assert exit_.value.code == 2 and next(iter(environ)) in capsys.readouterr().err
+
+
+def test_help_names_the_variable():
+    assert "TANDEM_MAX_NUM_BATCHED_TOKENS" in router_parser().format_help()
+
+
+def test_tandem_console_script_lists_its_commands():
+    out = subprocess.run([sys.executable, "-m", "common.cli"], capture_output=True, text=True)
+    assert out.returncode == 2 and all(c in out.stdout for c in ("serve", "target", "draft", "router"))
+    out = subprocess.run([sys.executable, "-c", "import sys; from common.cli import main; sys.exit(main(['router', "
+                          "'--help']))"], capture_output=True, text=True)
+    assert out.returncode == 0 and "tandem router" in out.stdout and "--num-speculative-tokens" in out.stdout
