@@ -1,12 +1,24 @@
 """Batched drafting on a ModelRunner, without gRPC.
 
-Propose runs autoregressive rounds shared by every entry of the batch: round 1 forwards each
-entry's uncached tokens and samples d_1; round j feeds d_{j-1} of each entry still drafting and
-samples d_j; an entry that wants a guess gets one more round feeding d_k. The number of
-forwards is max_i(k_i + guess_i), never the sum.
+One Propose call runs autoregressive rounds shared by every entry of the batch:
 
-Everything is validated before the first forward, capacity for the whole call included, so an
-invalid request changes no cache and a valid one never fails halfway.
+    round 0   every entry's uncached tokens (prompt chunks, catch-ups, the drafts the target is
+              verifying right now), logits only where something is drawn from them
+    round i   one token per live continuation: a plain continuation feeds its newest draft on the
+              sequence itself; a branch feeds its guessed token, then its own drafts, on a fork
+
+A branch (the speculation cache) prepares the proposal for one likely outcome of the verification
+in flight: "d_1..d_j accepted, then token x", x the draft's rank-th favourite at that position
+(not counting d_{j+1}, which the target rejected when j < v):
+
+    tokens:  ... t  d1 d2 d3          v = 3 drafts being verified
+    branch (j=1, rank 1):  fork after d1 -> x = best alternative to d2 -> e1 .. ek
+    branch (j=3, rank 1):  fork after d3 -> x = favourite after d3 (the bonus) -> e1 .. ek
+
+Forks share the sequence's KV blocks and are freed when the call ends; only round 0's tokens (and a
+plain continuation's drafts) stay cached. Forwards per call: 1 + max(k) at most, never a sum.
+Everything is validated before the first forward, capacity included, so an invalid request
+changes no cache and a valid one never fails halfway.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv_cache import blocks_for
 from engine.runner import CacheMiss, InvalidInput, ModelRunner, SeqInput
 from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample, truncate_top
 
@@ -24,23 +37,29 @@ DRAFT_STREAM = 0  # row_generator stream of the draft's own draws
 
 
 @dataclass(frozen=True)
+class BranchSpec:
+    accepted: int  # j: drafts under verification assumed accepted
+    rank: int  # the guessed token is the draft's rank-th favourite there (1-based)
+
+
+@dataclass(frozen=True)
 class DraftRequest:
     seq_id: int
     start_pos: int
-    tokens: Sequence[int]  # emitted tokens after start_pos the draft has not cached; non-empty
+    tokens: Sequence[int]  # tokens after start_pos the draft has not cached; non-empty
     k: int
     spec: SamplingSpec = SamplingSpec()
-    want_guess: bool = False
+    num_verifying: int = 0  # the last v of `tokens` are drafts under verification
+    branches: Sequence[BranchSpec] = ()  # empty: one plain continuation after all of `tokens`
 
     @property
-    def guessing(self) -> bool:
-        return self.want_guess and self.k > 0
+    def end(self) -> int:
+        return self.start_pos + len(self.tokens)
 
     @property
     def final_len(self) -> int:
-        """Cached tokens after the call: the inputs, d_1..d_{k-1}, and d_k when guessing."""
-        base = self.start_pos + len(self.tokens)
-        return base + self.k - 1 + int(self.guessing) if self.k > 0 else base
+        """Cached tokens after the call: the inputs, and a plain continuation's d_1..d_{k-1}."""
+        return self.end + (self.k - 1 if self.k > 0 and not self.branches else 0)
 
 
 @dataclass
@@ -52,11 +71,20 @@ class SparseQ:
 
 
 @dataclass
+class Continuation:
+    """Drafts after a prefix: a plain continuation (token -1) or a branch (its guessed token)."""
+
+    accepted: int = 0
+    token: int = -1
+    drafts: list[int] = field(default_factory=list)
+    probs: list[SparseQ] = field(default_factory=list)  # one per draft; empty when greedy
+
+
+@dataclass
 class DraftResult:
     seq_id: int
-    tokens: list[int] = field(default_factory=list)
-    probs: list[SparseQ] = field(default_factory=list)  # one per token; empty when greedy
-    guess: int = -1
+    plain: Continuation = field(default_factory=Continuation)
+    branches: list[Continuation] = field(default_factory=list)
     cached_len: int = 0
 
 
@@ -67,123 +95,149 @@ class Proposals:
     forwards: int
 
 
+@dataclass
+class _Row:
+    """One continuation being drafted: where its KV lives and what it feeds next."""
+
+    cache_id: int  # the sequence itself (plain) or a temporary fork (branch)
+    request: DraftRequest
+    out: Continuation
+    feed: int  # the token fed in the next round (-1: the first draw comes from round 0; -2: done)
+    position: int  # where `feed` goes: the position of the token the next draw continues
+
+
 class Proposer:
     def __init__(self, runner: ModelRunner, max_draft_tokens: int = 8, sparse_top_n: int = 32) -> None:
-        if max_draft_tokens < 0:
-            raise ValueError("max_draft_tokens must be >= 0")
-        if sparse_top_n < 1:
-            raise ValueError("sparse_top_n must be >= 1")
+        if max_draft_tokens < 0 or sparse_top_n < 1:
+            raise ValueError("max_draft_tokens must be >= 0 and sparse_top_n >= 1")
         self.runner = runner
         self.max_draft_tokens = max_draft_tokens
         self.sparse_top_n = sparse_top_n
 
     # ---- validation (no side effects) ----------------------------------------------------
-    def _check(self, items: Sequence[tuple[int, int, Sequence[int], int]], final_lens: Sequence[int],
-               where: str) -> None:
-        """items: (seq_id, start_pos, tokens, lookahead) with lookahead the positions past the
-        tokens the call may occupy. Raises InvalidInput, then CacheMiss, then KVCacheExhausted."""
+    def _check(self, items: Sequence[DraftRequest], where: str) -> None:
+        """Raises InvalidInput, then CacheMiss, then KVCacheExhausted, before anything changes."""
         r = self.runner
         if not items:
             raise InvalidInput(where, "empty batch")
         vocab = r.model_config.vocab_size
         seen: set[int] = set()
         missing: list[int] = []
-        total = 0
-        for n, (seq_id, start_pos, tokens, lookahead) in enumerate(items):
+        total = forks = fork_blocks = 0
+        for n, q in enumerate(items):
             at = f"{where}[{n}]"
-            if seq_id in seen:
-                raise InvalidInput(f"{at}.seq_id", f"sequence {seq_id} appears twice in one batch")
-            seen.add(seq_id)
-            if not tokens:
+            if q.seq_id in seen:
+                raise InvalidInput(f"{at}.seq_id", f"sequence {q.seq_id} appears twice in one batch")
+            seen.add(q.seq_id)
+            if not q.tokens:
                 raise InvalidInput(f"{at}.tokens", "must not be empty")
-            if min(tokens) < 0 or max(tokens) >= vocab:
+            if min(q.tokens) < 0 or max(q.tokens) >= vocab:
                 raise InvalidInput(f"{at}.tokens", f"token id outside [0, {vocab})")
-            end = start_pos + len(tokens)
-            if start_pos < 0 or end > r.max_model_len:
+            if q.start_pos < 0 or q.end > r.max_model_len:
                 raise InvalidInput(f"{at}.start_pos",
-                                   f"{start_pos} + {len(tokens)} tokens exceeds max_model_len {r.max_model_len}")
-            if end + lookahead > r.max_model_len:
-                raise InvalidInput(f"{at}.k", f"{start_pos} + {len(tokens)} tokens + k {lookahead} "
-                                              f"exceeds max_model_len {r.max_model_len}")
-            if start_pos > r.cached_len(seq_id):
-                missing.append(seq_id)
-            total += len(tokens)
-        if total > r.config.max_batch_tokens:
-            raise InvalidInput(where, f"{total} tokens exceed max_batch_tokens {r.config.max_batch_tokens}")
+                                   f"{q.start_pos} + {len(q.tokens)} tokens exceeds max_model_len {r.max_model_len}")
+            if not 0 <= q.k <= self.max_draft_tokens:
+                raise InvalidInput(f"{at}.k", f"{q.k} not in [0, {self.max_draft_tokens}]")
+            if q.end + q.k + 1 > r.max_model_len:
+                raise InvalidInput(f"{at}.k", f"{q.end} tokens + k {q.k} exceeds max_model_len {r.max_model_len}")
+            if not 0 <= q.num_verifying < len(q.tokens):
+                raise InvalidInput(f"{at}.num_verifying", f"{q.num_verifying} not in [0, {len(q.tokens) - 1}]")
+            for b, branch in enumerate(q.branches):
+                if not 0 <= branch.accepted <= q.num_verifying or branch.rank < 1:
+                    raise InvalidInput(f"{at}.branches[{b}]", f"accepted {branch.accepted} not in "
+                                       f"[0, {q.num_verifying}] or rank {branch.rank} < 1")
+                if q.k < 1:
+                    raise InvalidInput(f"{at}.k", "branches need k >= 1")
+                fork_len = q.end - q.num_verifying + branch.accepted
+                fork_blocks += blocks_for(fork_len + q.k, r.blocks.block_size) - fork_len // r.blocks.block_size
+            forks += len(q.branches)
+            if q.start_pos > r.cached_len(q.seq_id):
+                missing.append(q.seq_id)
+            total += len(q.tokens)
+        if max(total, forks) > r.config.max_batch_tokens:  # a round feeds one token per branch
+            raise InvalidInput(where, f"{total} tokens or {forks} branches exceed max_batch_tokens "
+                                      f"{r.config.max_batch_tokens}")
         if missing:
             raise CacheMiss(missing)
-        r.blocks.check_capacity({it[0]: (it[1], end) for it, end in zip(items, final_lens, strict=True)})
-
-    def validate_sync(self, chunks: Sequence[SeqInput]) -> None:
-        self._check([(c.seq_id, c.start_pos, c.tokens, 0) for c in chunks],
-                    [c.start_pos + len(c.tokens) for c in chunks], "chunks")
-
-    def validate_propose(self, requests: Sequence[DraftRequest]) -> None:
-        for n, q in enumerate(requests):
-            if not 0 <= q.k <= self.max_draft_tokens:
-                raise InvalidInput(f"entries[{n}].k", f"{q.k} not in [0, {self.max_draft_tokens}]")
-        self._check([(q.seq_id, q.start_pos, q.tokens, q.k) for q in requests],
-                    [q.final_len for q in requests], "entries")
+        resize = {q.seq_id: (q.start_pos, q.final_len) for q in items}
+        r.blocks.check_capacity(resize, extra=fork_blocks)
 
     # ---- work ------------------------------------------------------------------------------
     def sync(self, chunks: Sequence[SeqInput]) -> list[int]:
         """Cache position-addressed chunks of many sequences in one forward; cached_len per chunk."""
-        chunks = [SeqInput(c.seq_id, c.start_pos, c.tokens, num_logits=0) for c in chunks]
-        self.validate_sync(chunks)
-        self.runner.forward(chunks)
+        self._check([DraftRequest(c.seq_id, c.start_pos, c.tokens, 0) for c in chunks], "chunks")
+        self.runner.forward([SeqInput(c.seq_id, c.start_pos, c.tokens, num_logits=0) for c in chunks])
         return [self.runner.cached_len(c.seq_id) for c in chunks]
 
     def propose(self, requests: Sequence[DraftRequest]) -> Proposals:
-        self.validate_propose(requests)
+        self._check(requests, "entries")
         t0 = time.perf_counter()
         results = [DraftResult(q.seq_id) for q in requests]
-        # round 1: every entry's uncached tokens; logits only where a draft is wanted
-        inputs = [SeqInput(q.seq_id, q.start_pos, q.tokens, num_logits=int(q.k > 0)) for q in requests]
-        active = list(range(len(requests)))
-        forwards = 0
-        while inputs:
-            logits = self.runner.forward(inputs)
-            forwards += 1
-            live = [(i, row[-1]) for i, row in zip(active, logits, strict=True) if row.shape[0]]
-            drafting = [i for i, _ in live if len(results[i].tokens) < requests[i].k]
-            if drafting:
-                last = dict(live)
-                self._draw(requests, results, drafting, torch.stack([last[i] for i in drafting]))
-            drew = set(drafting)
-            for i, row in live:
-                if i not in drew:  # the guess round: the most likely bonus token, not a draw
-                    results[i].guess = int(row.argmax())
-            # next round: feed the newest draft of each entry that still needs logits after it
-            active = [i for i in drafting
-                      if len(results[i].tokens) < requests[i].k or requests[i].guessing]
-            inputs = [SeqInput(requests[i].seq_id, self.runner.cached_len(requests[i].seq_id),
-                               [results[i].tokens[-1]]) for i in active]
+        wanted = [(q.num_verifying + 1 if q.branches else 1) if q.k else 0 for q in requests]
+        logits = self.runner.forward([SeqInput(q.seq_id, q.start_pos, q.tokens, num_logits=n)
+                                      for q, n in zip(requests, wanted, strict=True)])
+        forwards, forks, rows, first = 1, [], [], []
+        for q, res, rows_logits in zip(requests, results, logits, strict=True):
+            if q.k == 0:
+                continue
+            if not q.branches:  # d_1 from the last position; the sequence itself carries the rest
+                rows.append(_Row(q.seq_id, q, res.plain, -1, q.end - 1))
+                first.append(rows_logits[-1])
+                continue
+            for spec in q.branches:
+                token = self._guess(rows_logits[spec.accepted], q, spec)
+                child = -1 - len(forks)  # temporary ids: never a router's (non-negative) seq_id
+                fork_len = q.end - q.num_verifying + spec.accepted
+                self.runner.fork(q.seq_id, child, fork_len)
+                forks.append(child)
+                res.branches.append(Continuation(spec.accepted, token))
+                rows.append(_Row(child, q, res.branches[-1], token, fork_len))
+        try:
+            plain = [i for i, row in enumerate(rows) if row.feed < 0]
+            if plain:
+                self._draw(rows, plain, torch.stack(first))
+            while live := [i for i, row in enumerate(rows) if row.feed >= 0]:
+                out = self.runner.forward([SeqInput(rows[i].cache_id, rows[i].position, [rows[i].feed])
+                                           for i in live])
+                forwards += 1
+                self._draw(rows, live, torch.cat(out))
+        finally:
+            self.runner.release(forks)
         for q, res in zip(requests, results, strict=True):
             res.cached_len = self.runner.cached_len(q.seq_id)
         return Proposals(results, (time.perf_counter() - t0) * 1e3, forwards)
 
-    def _draw(self, requests: Sequence[DraftRequest], results: list[DraftResult], rows: list[int],
-              logits: torch.Tensor) -> None:
-        """Append one draft token to each of `rows`, sampling the sparse q it then ships."""
-        greedy = [n for n, i in enumerate(rows) if requests[i].spec.greedy]
-        sampled = [n for n, i in enumerate(rows) if not requests[i].spec.greedy]
+    @staticmethod
+    def _guess(row: torch.Tensor, q: DraftRequest, spec: BranchSpec) -> int:
+        """The rank-th most likely token at the fork, skipping the draft the target rejected there."""
+        rejected = q.tokens[len(q.tokens) - q.num_verifying + spec.accepted] if spec.accepted < q.num_verifying \
+            else None
+        top = row.topk(spec.rank + 1).indices.tolist()
+        return [t for t in top if t != rejected][spec.rank - 1]
+
+    def _draw(self, rows: list[_Row], live: list[int], logits: torch.Tensor) -> None:
+        """Append one draft to each live row, sampling the sparse q it then ships; a row with all
+        its k drafts stops feeding (its last draft is never cached)."""
+        drawn: list[int] = [0] * len(live)
+        greedy = [n for n, i in enumerate(live) if rows[i].request.spec.greedy]
+        sampled = [n for n, i in enumerate(live) if not rows[i].request.spec.greedy]
         if greedy:
             for n, tok in zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True):
-                results[rows[n]].tokens.append(tok)
-        if not sampled:
-            return
-        specs = [requests[rows[n]].spec for n in sampled]
-        # q is the target's filtered distribution truncated to the top n: exactly what is sampled
-        ids, q = truncate_top(filtered_probs(logits[sampled], specs), self.sparse_top_n)
-        gens = []
-        for n in sampled:
-            req, res = requests[rows[n]], results[rows[n]]
-            position = req.start_pos + len(req.tokens) + len(res.tokens)  # where this draft will sit
-            gens.append(row_generator(req.spec.seed, position, DRAFT_STREAM))
-        picks = sample(q, gens)
-        tokens = ids.gather(-1, picks[:, None]).squeeze(-1).tolist()
-        for n, tok, row_ids, row_q in zip(sampled, tokens, ids.tolist(), q.tolist(), strict=True):
-            res = results[rows[n]]
-            res.tokens.append(tok)
-            keep = [j for j, p in enumerate(row_q) if p > 0.0]  # filtered-out tokens carry no mass
-            res.probs.append(SparseQ([row_ids[j] for j in keep], [row_q[j] for j in keep]))
+                drawn[n] = tok
+        if sampled:
+            specs = [rows[live[n]].request.spec for n in sampled]
+            # q is the target's filtered distribution truncated to the top n: exactly what is sampled
+            ids, q = truncate_top(filtered_probs(logits[sampled], specs), self.sparse_top_n)
+            gens = [row_generator(rows[live[n]].request.spec.seed, rows[live[n]].position + 1, DRAFT_STREAM)
+                    for n in sampled]
+            picks = sample(q, gens)
+            tokens = ids.gather(-1, picks[:, None]).squeeze(-1).tolist()
+            for n, tok, row_ids, row_q in zip(sampled, tokens, ids.tolist(), q.tolist(), strict=True):
+                drawn[n] = tok
+                keep = [j for j, p in enumerate(row_q) if p > 0.0]  # filtered-out tokens carry no mass
+                rows[live[n]].out.probs.append(SparseQ([row_ids[j] for j in keep], [row_q[j] for j in keep]))
+        for n, i in enumerate(live):
+            row = rows[i]
+            row.out.drafts.append(drawn[n])
+            row.position += 1
+            row.feed = drawn[n] if len(row.out.drafts) < row.request.k else -2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from draft_service.proposer import DraftRequest, Proposer
+from draft_service.proposer import BranchSpec, DraftRequest, Proposer, SparseQ
 from engine.runner import ModelRunner, SeqInput
 from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -22,7 +22,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         check_deadline(context)
-        return self.worker.info()
+        return await self.worker.run(self.worker.info)  # on the model thread: a stuck draft does not answer
 
     @rpc_errors
     async def Sync(self, request: draft_pb2.SyncRequest, context: grpc.aio.ServicerContext) -> draft_pb2.SyncResponse:
@@ -51,20 +51,26 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         still_wanted(deadline)
         requests = [
             DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k,
-                         sampling_spec(e.sampling, f"entries[{n}].sampling"), e.want_guess)
+                         sampling_spec(e.sampling, f"entries[{n}].sampling"), e.num_verifying,
+                         [BranchSpec(b.accepted, b.rank) for b in e.branches])
             for n, e in enumerate(request.entries)
         ]
         out = self.proposer.propose(requests)
         return draft_pb2.ProposeResponse(
             proposals=[
                 draft_pb2.Proposal(
-                    seq_id=r.seq_id, tokens=r.tokens, guess=r.guess, cached_len=r.cached_len,
-                    probs=[common_pb2.SparseDist(token_ids=q.token_ids, probs=q.probs) for q in r.probs],
+                    seq_id=r.seq_id, tokens=r.plain.drafts, probs=_dists(r.plain.probs), cached_len=r.cached_len,
+                    branches=[draft_pb2.BranchProposal(accepted=b.accepted, token=b.token, drafts=b.drafts,
+                                                       probs=_dists(b.probs)) for b in r.branches],
                 )
                 for r in out.results
             ],
-            forward_ms=out.forward_ms,
+            forward_ms=out.forward_ms, forwards=out.forwards,
         )
+
+
+def _dists(qs: list[SparseQ]) -> list[common_pb2.SparseDist]:
+    return [common_pb2.SparseDist(token_ids=q.token_ids, probs=q.probs) for q in qs]
 
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,

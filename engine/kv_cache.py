@@ -7,6 +7,13 @@ of the flattened cache. Blocks are only accounted here; the tensors live in Page
     position:     0 1 2 3 | 4 5 6 7 | 8 9
     block_table: [   7    ,    2    ,  5 ]      (block_size 4, length 10)
     slot of 9:    5 * 4 + 1 = 21
+
+Blocks are reference-counted: fork() gives a new sequence the parent's full blocks by reference
+and a private copy of its partial last block, so branches of one history share its KV:
+
+    parent (length 10): [7, 2, 5]        child = fork(parent, length 9): [7, 2, 11]
+                          shared ^  ^     block 11 <- copy of block 5 (positions 8..9 of it)
+A shared block is never written: appends only touch a sequence's private partial block or new ones.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class BlockManager:
         self.block_size = block_size
         # Low ids first: a LIFO free list keeps recently used blocks hot.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks  # how many block tables hold each block
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
 
@@ -57,17 +65,20 @@ class BlockManager:
         return self._tables[seq_id]
 
     def blocks_needed(self, resize: Mapping[int, tuple[int, int]]) -> int:
-        """Net blocks to allocate for {seq_id: (trim_to, new_length)}: trims free first."""
+        """Net blocks to allocate for {seq_id: (trim_to, new_length)}: trims free first (a trimmed
+        block another sequence shares frees nothing)."""
         net = 0
         for seq_id, (trim_to, new_length) in resize.items():
-            held = len(self._tables.get(seq_id, ()))
-            kept = min(held, blocks_for(trim_to, self.block_size))
-            net += blocks_for(new_length, self.block_size) - held
+            table = self._tables.get(seq_id, [])
+            kept = min(len(table), blocks_for(trim_to, self.block_size))
             assert blocks_for(new_length, self.block_size) >= kept
+            freed = sum(1 for b in table[kept:] if self._refs[b] == 1)
+            net += blocks_for(new_length, self.block_size) - kept - freed
         return net
 
-    def check_capacity(self, resize: Mapping[int, tuple[int, int]]) -> None:
-        needed = self.blocks_needed(resize)
+    def check_capacity(self, resize: Mapping[int, tuple[int, int]], extra: int = 0) -> None:
+        """KVCacheExhausted unless the resizes plus `extra` new blocks fit."""
+        needed = self.blocks_needed(resize) + extra
         if needed > self.num_free:
             raise KVCacheExhausted(needed, self.num_free)
 
@@ -78,7 +89,7 @@ class BlockManager:
         assert length <= self._lengths[seq_id], "trim can only shorten"
         keep = blocks_for(length, self.block_size)
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._unref(table.pop())
         self._lengths[seq_id] = length
 
     def append(self, seq_id: int, num_tokens: int) -> list[int]:
@@ -89,24 +100,56 @@ class BlockManager:
         missing = blocks_for(end, self.block_size) - len(table)
         if missing > len(self._free):
             raise KVCacheExhausted(missing, len(self._free))
+        assert not (start % self.block_size and num_tokens and self._refs[table[-1]] > 1), \
+            "writing into a shared block"
         for _ in range(missing):
-            table.append(self._free.pop())
+            table.append(self._take())
         self._lengths[seq_id] = end
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def fork(self, parent: int, child: int, length: int) -> tuple[int, int] | None:
+        """child = parent's first `length` tokens: full blocks shared, the partial one copied.
+        Returns (source block, new block) whose KV the caller must copy, or None."""
+        assert child not in self._tables, f"sequence {child} exists"
+        assert length <= self.length(parent), "fork past the parent's end"
+        full, partial = divmod(length, self.block_size)
+        if partial and not self._free:
+            raise KVCacheExhausted(1, 0)
+        table = self._tables.get(parent, [])[:full]
+        for block in table:
+            self._refs[block] += 1
+        copy = None
+        if partial:
+            copy = (self._tables[parent][full], self._take())
+            table.append(copy[1])
+        self._tables[child], self._lengths[child] = table, length
+        return copy
 
     def free(self, seq_id: int) -> None:
         """Release every block of seq_id. Unknown ids are ignored (idempotent)."""
         table = self._tables.pop(seq_id, None)
         self._lengths.pop(seq_id, None)
-        if table:
-            self._free.extend(reversed(table))
+        for block in reversed(table or ()):
+            self._unref(block)
+
+    def _take(self) -> int:
+        block = self._free.pop()
+        self._refs[block] = 1
+        return block
+
+    def _unref(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free.append(block)
 
     def check_invariants(self) -> None:
         held = [b for t in self._tables.values() for b in t]
-        assert len(held) == len(set(held)), "a block is owned twice"
+        counts = {b: held.count(b) for b in set(held)}
+        assert all(self._refs[b] == n for b, n in counts.items()), "a reference count is off"
+        assert len(self._free) == len(set(self._free)), "a block is free twice"
         assert not set(held) & set(self._free), "a held block is also free"
-        assert len(held) + len(self._free) == self.num_blocks, "a block leaked"
+        assert len(counts) + len(self._free) == self.num_blocks, "a block leaked"
         for seq_id, table in self._tables.items():
             assert len(table) == blocks_for(self._lengths[seq_id], self.block_size)
 
@@ -128,6 +171,11 @@ class PagedKVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """dst's K/V := src's, in every layer (the partial block of a fork)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the new tokens' keys/values [T, kv_heads, head_dim] at their slots."""

@@ -94,6 +94,12 @@ class ModelRunner:
         """Forget cached tokens at positions >= length (drafts the target rejected)."""
         self.blocks.trim(seq_id, length)
 
+    def fork(self, parent: int, child: int, length: int) -> None:
+        """child := parent's first `length` cached tokens, sharing their KV blocks (a branch)."""
+        copy = self.blocks.fork(parent, child, length)
+        if copy is not None:
+            self.kv_cache.copy_block(*copy)
+
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self.blocks.free(seq_id)

@@ -7,10 +7,12 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from common.sampling import InvalidField, SamplingParams
 from router.spec_policy import AcceptanceTracker
+from router.speculation import Prepared
 from tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -45,6 +47,16 @@ class Request:
     logprobs: int | None = None  # top-n alternatives per token; None = no logprobs
     max_speculative_tokens: int | None = None  # per-request cap on k; 0 = no speculation
     ignore_eos: bool = False
+
+    @cached_property
+    def sampling_proto(self) -> common_pb2.SamplingParams:
+        """The wire form, built once: every step of the request sends it."""
+        return self.sampling.to_proto()
+
+    @property
+    def reproducible(self) -> bool:
+        """Seeded sampling: its tokens must not depend on timing, so its k never does either."""
+        return self.sampling.seed is not None and not self.sampling.greedy
 
 
 class FinishReason(enum.StrEnum):
@@ -94,10 +106,12 @@ class Sequence:
     lane: Lane | None = None  # the target replica (and its paired draft) this sequence is pinned to
     target_cached: int = 0  # tokens the target's KV holds for this sequence
     draft_cached: int = 0  # tokens the draft's KV holds
-    # The draft's believed continuation: draft_stream[:len(tokens)] == tokens when it is still valid;
-    # draft_stream[len(tokens):] are proposals, draft_probs holds their sparse q (None when greedy).
+    # What the draft's KV holds: draft_stream[:draft_cached] (the history, plus drafts that were being
+    # verified when it was fed them; a rejection makes that tail stale).
     draft_stream: list[int] = field(default_factory=list)
-    draft_probs: dict[int, common_pb2.SparseDist] = field(default_factory=dict)  # position -> q
+    # Proposals prepared for coming steps (router.speculation): the one continuing the history wins.
+    prepared: list[Prepared] = field(default_factory=list)
+    cache_epoch: int = 0  # bumped whenever the caches are dropped: late draft results for an old epoch are void
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     next_k: int = 0  # desired k for this sequence's next proposal
     num_preemptions: int = 0
@@ -119,11 +133,5 @@ class Sequence:
         """Both services' caches of this sequence are gone (preempted, moved, lost): recompute."""
         self.target_cached = self.draft_cached = 0
         self.draft_stream = []
-        self.draft_probs.clear()
-
-    def proposal(self) -> list[int]:
-        """Draft tokens that continue the current history (empty when the stream diverged)."""
-        n = len(self.tokens)
-        if len(self.draft_stream) > n and self.draft_stream[:n] == self.tokens:
-            return self.draft_stream[n:]
-        return []
+        self.prepared = []
+        self.cache_epoch += 1

@@ -1,16 +1,18 @@
-"""The router's side of the draft service: prompt mirroring, proposals, and graceful absence.
+"""The router's side of the draft service: one Propose per step that mirrors prompt chunks and
+prepares proposals, run in the background so the target never waits for it; graceful absence.
 
-Position bookkeeping per sequence (see core.Sequence): the draft holds draft_stream[:draft_cached].
-A proposal continues a base stream S (the history, plus the drafts being verified right now when
-pipelining); the draft is told to keep the common prefix of what it holds and S, and is fed the
-rest of S, whose last token is never cached before the call:
+Position bookkeeping per sequence (core.Sequence): the draft holds draft_stream[:draft_cached].
+A call continues a base stream S (the history, plus the drafts being verified right now); the
+draft keeps the common prefix of what it holds and S and is fed the rest, always including the
+token before the drafts under verification (the branches fork from their logits):
 
-    draft holds:  t0 t1 t2 t3 d1 d2          (draft_cached = 6, stale d's after a rejection)
-    base S:       t0 t1 t2 t3 x              (x: the target's corrected token)
-    call:         start_pos = 4, tokens = [x], k = K   ->  stream = S + e1..eK, cached = 4 + 1 + K - 1
+    draft holds:  t0 t1 t2 t3 d1 d2          (stale d's after a rejection)
+    base S:       t0 t1 t2 t3 x  e1 e2       (x: the target's token; e1 e2 being verified now)
+    call:         start_pos = 4, tokens = [x, e1, e2], num_verifying = 2, branches = [(j, rank), ...]
 
-The draft is optional: any failure turns this step's proposals into k = 0 for the affected
-sequences and, when the service is unreachable, a reconnect loop with backoff takes over.
+The draft is optional: any failure of a call means k = 0 for the sequences it carried and, when
+the service is unreachable, a reconnect loop with backoff takes over. Releases made while it is
+down are kept and sent when it is back, so its KV never leaks.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from router.clients import CacheMissError, DraftClient, Rejected, ServiceDown
 from router.core import Sequence
 from router.metrics import Metrics
+from router.speculation import OutcomeStats, Prepared
 from tandem.v1 import common_pb2, draft_pb2
 
 log = logging.getLogger(__name__)
 
-CATCH_UP_IN_PROPOSE = 64  # longer catch-ups go through Sync first
+CATCH_UP_IN_PROPOSE = 64  # a sequence lagging further (a restarted draft) catches up without a proposal first
 
 
 class IncompatibleDraft(RuntimeError):
@@ -48,11 +52,41 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return lo
 
 
-@dataclass(frozen=True)
-class ProposalRequest:
-    seq: Sequence
-    base: list[int]  # the stream the proposal continues
-    k: int  # tokens to propose
+@dataclass
+class DraftWork:
+    """One Propose call: what each sequence's draft cache must end up holding, and what to prepare."""
+
+    entries: list[draft_pb2.ProposeEntry] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)
+    bases: list[list[int]] = field(default_factory=list)  # the stream each entry continues
+    epochs: list[int] = field(default_factory=list)  # the sequences' cache epochs when the call was built
+    tokens: int = 0
+    branches: int = 0
+    rounds: int = 0
+
+    def add(self, seq: Sequence, base: list[int], k: int, v: int, sampling: common_pb2.SamplingParams,
+            branches: list[tuple[int, int]], budget: int) -> bool:
+        """Add seq's entry unless the draft's batch budget is spent; False when it was not added."""
+        held = seq.draft_stream[: seq.draft_cached]
+        start = common_prefix(held, base, len(base) - v - 1 if k else len(base))
+        tokens = base[start:]
+        if not tokens:
+            return True
+        if len(tokens) > CATCH_UP_IN_PROPOSE and k:  # far behind: catch up now, propose next time
+            tokens, k, v, branches = tokens[:CATCH_UP_IN_PROPOSE], 0, 0, []
+            base = base[: start + len(tokens)]
+        if self.tokens + len(tokens) > budget or self.branches + len(branches) > budget:
+            return False
+        self.entries.append(draft_pb2.ProposeEntry(
+            seq_id=seq.seq_id, start_pos=start, tokens=tokens, k=k, sampling=sampling, num_verifying=v,
+            branches=[draft_pb2.Branch(accepted=j, rank=r) for j, r in branches]))
+        self.seqs.append(seq)
+        self.bases.append(base)
+        self.epochs.append(seq.cache_epoch)
+        self.tokens += len(tokens)
+        self.branches += len(branches)
+        self.rounds = max(self.rounds, 1 + k if branches else max(k, 1))
+        return True
 
 
 class DraftLane:
@@ -62,12 +96,25 @@ class DraftLane:
         self.retry_s = retry_s
         self.info: common_pb2.ModelInfo | None = None
         self.up = False
+        self.stats = OutcomeStats()
+        self.on_done: Callable[[], None] = lambda: None  # the step loop's wake-up
+        self.on_cost: Callable[[DraftWork, float], None] = lambda work, ms: None
+        self._call: asyncio.Task | None = None
         self._reconnect: asyncio.Task | None = None
+        self._releases: list[int] = []  # kept while the draft is unreachable
         self._expect: tuple[str, int] | None = None  # (tokenizer fingerprint, vocab) of the target
 
     @property
     def max_k(self) -> int:
         return self.info.max_draft_tokens if self.info else 0
+
+    @property
+    def budget(self) -> int:
+        return self.info.max_batch_tokens if self.info else 0
+
+    @property
+    def idle(self) -> bool:
+        return self._call is None or self._call.done()
 
     async def connect(self, fingerprint: str, vocab_size: int) -> None:
         """First contact: an incompatible draft is refused; an absent one is retried in the background."""
@@ -82,13 +129,16 @@ class DraftLane:
 
     async def _handshake(self) -> None:
         assert self.client is not None and self._expect is not None
-        info = await self.client.info()
+        info = await self.client.info()  # answered by the model thread: a stuck draft is not "up"
         fingerprint, vocab = self._expect
         if info.vocab_size != vocab or (fingerprint and info.tokenizer_fingerprint != fingerprint):
             raise IncompatibleDraft(
                 f"draft {info.model_id!r} at {self.client.address} does not share the target's tokenizer "
                 f"(vocab {info.vocab_size} vs {vocab}, fingerprint {info.tokenizer_fingerprint[:12]!r} vs "
                 f"{fingerprint[:12]!r}); speculation needs an identical vocabulary")
+        if self._releases:  # what finished while it was away; sequences it lost anyway are ignored
+            ids, self._releases = self._releases, []
+            await self.client.release(ids)
         self.info, self.up = info, True
         self.metrics.replica_up.labels(replica=self.client.address, service="draft").set(1)
         log.info("draft %s ready: %s, %d blocks x %d", self.client.address, info.model_id, info.num_blocks,
@@ -107,108 +157,89 @@ class DraftLane:
             await asyncio.sleep(delay)
             try:
                 await self._handshake()
-            except ServiceDown:
+            except (ServiceDown, Rejected, CacheMissError):
                 delay = min(2 * delay, 5.0)
             except IncompatibleDraft as err:
                 log.error("%s", err)
                 delay = 30.0
 
     async def close(self) -> None:
-        if self._reconnect:
-            self._reconnect.cancel()
+        for task in (self._reconnect, self._call):
+            if task:
+                task.cancel()
 
     # ---- calls ---------------------------------------------------------------------------------
-    async def sync(self, chunks: list[tuple[Sequence, list[int], int]]) -> None:
-        """Make the draft hold stream[:end] for each (seq, stream, end): mirrors the target's prompt
-        chunks, and catches up a draft that lags (after a restart) from where it diverges."""
-        if not self.up or not chunks:
-            return
-        msgs, applied = [], []
-        budget = self.info.max_batch_tokens
-        for seq, stream, end in chunks:
-            begin = common_prefix(seq.draft_stream[: seq.draft_cached], stream, end)
-            if begin >= end:
-                continue  # already there (a recompute the draft did not need)
-            if end - begin > budget:
-                end = begin + budget  # the rest next step
-            if end <= begin:
-                continue
-            budget -= end - begin
-            msgs.append(draft_pb2.Chunk(seq_id=seq.seq_id, start_pos=begin, tokens=stream[begin:end]))
-            applied.append((seq, stream[:end]))
-        if msgs:
-            await self._guard(self._do_sync(msgs, applied), [s for s, _ in applied], "sync")
+    def launch(self, work: DraftWork) -> None:
+        """Run the call in the background (one at a time); its results land on the sequences."""
+        assert self.idle
+        if self.up and work.entries:
+            self._call = asyncio.create_task(self.run(work))
 
-    async def _do_sync(self, msgs: list[draft_pb2.Chunk], applied: list[tuple[Sequence, list[int]]]) -> bool:
-        assert self.client is not None
-        resp = await self.client.sync(msgs)
-        for (seq, held), cached in zip(applied, resp.cached_len, strict=True):
-            assert cached == len(held), "draft cached_len disagrees with the router's bookkeeping"
-            seq.draft_cached, seq.draft_stream = cached, held
-            seq.draft_probs.clear()
-        return True
+    async def wait(self) -> None:
+        if not self.idle:
+            await asyncio.shield(self._call)
 
-    async def propose(self, requests: list[ProposalRequest], spec: dict[int, common_pb2.SamplingParams]) -> float:
-        """Ask for proposals; install them as each sequence's draft_stream. Returns the call's ms."""
-        if not self.up or not requests:
+    async def run(self, work: DraftWork) -> float:
+        """The call, awaited (sequential mode uses it directly). Returns its wall time in ms."""
+        if not self.up or not work.entries:
             return 0.0
-        t0 = time.perf_counter()
-        catch_up, entries, kept = [], [], []
-        budget = self.info.max_batch_tokens
-        for r in requests:
-            held = r.seq.draft_stream[: r.seq.draft_cached]
-            p = common_prefix(held, r.base, len(r.base) - 1)
-            if len(r.base) - p > CATCH_UP_IN_PROPOSE:
-                catch_up.append((r.seq, r.base, len(r.base) - 1))
-                continue
-            if budget < len(r.base) - p + r.k:
-                continue  # no room this step: k = 0 for it, next step tries again
-            budget -= len(r.base) - p + r.k
-            entries.append(draft_pb2.ProposeEntry(seq_id=r.seq.seq_id, start_pos=p, tokens=r.base[p:], k=r.k,
-                                                  sampling=spec[r.seq.seq_id]))
-            kept.append(r)
-        if catch_up:
-            await self.sync(catch_up)
-        if entries:
-            await self._guard(self._do_propose(entries, kept), [r.seq for r in kept], "propose")
-        return (time.perf_counter() - t0) * 1000
-
-    async def _do_propose(self, entries: list[draft_pb2.ProposeEntry], kept: list[ProposalRequest]) -> bool:
         assert self.client is not None
-        resp = await self.client.propose(entries)
-        for r, prop in zip(kept, resp.proposals, strict=True):
-            seq = r.seq
-            seq.draft_stream = r.base + list(prop.tokens)
-            seq.draft_cached = prop.cached_len
-            # the base may end in drafts still being verified: keep their q, add the new ones
-            kept_q = {pos: q for pos, q in seq.draft_probs.items() if pos < len(r.base)}
-            seq.draft_probs = kept_q | {len(r.base) + j: q for j, q in enumerate(prop.probs)}
-        return True
-
-    async def _guard(self, call, seqs: list[Sequence], what: str) -> bool | None:  # noqa: ANN001
-        """Run a draft call; on failure fall back to k = 0 for this step and repair state."""
+        t0 = time.perf_counter()
         try:
-            return await call
-        except CacheMissError as err:
-            missing = set(err.seq_ids)
-            for seq in seqs:
-                if seq.seq_id in missing:
-                    seq.draft_cached, seq.draft_stream = 0, []
-            self.metrics.draft_fallbacks.labels(reason="cache_miss").inc()
+            response = await self.client.propose(work.entries)
+            ms = (time.perf_counter() - t0) * 1000
+            self.on_cost(work, ms)
+            self._apply(work, response)
+        except CacheMissError as err:  # the draft restarted: those sequences resync from scratch
+            self._reset([s for s in work.seqs if s.seq_id in set(err.seq_ids)], "cache_miss")
         except ServiceDown as err:
-            log.warning("draft %s failed (%s): k = 0 until it is back", what, err)
-            self.metrics.draft_fallbacks.labels(reason="down").inc()
+            log.warning("draft call failed (%s): k = 0 until it is back", err)
+            self._reset(work.seqs, "down")
             self._lost()
         except Rejected as err:
-            log.error("draft rejected %s: %s", what, err)
-            self.metrics.draft_fallbacks.labels(reason="rejected").inc()
-            for seq in seqs:  # resync these from scratch next time
-                seq.draft_cached, seq.draft_stream = 0, []
-        return None
+            log.error("draft rejected a call: %s", err)
+            self._reset(work.seqs, "rejected")
+        except Exception:  # noqa: BLE001 - the draft is optional: nothing it does may fail a request
+            log.exception("draft call failed unexpectedly")
+            self._reset(work.seqs, "error")
+        finally:
+            self.on_done()
+        return (time.perf_counter() - t0) * 1000
 
-    async def release(self, seq_ids: list[int]) -> None:
-        if self.up and seq_ids and self.client is not None:
-            try:
-                await self.client.release(seq_ids)
-            except (ServiceDown, Rejected, CacheMissError) as err:
-                log.debug("draft release failed: %s", err)
+    def _reset(self, seqs: list[Sequence], reason: str) -> None:
+        self.metrics.draft_fallbacks.labels(reason=reason).inc()
+        for seq in seqs:
+            seq.draft_cached, seq.draft_stream = 0, []
+
+    def _apply(self, work: DraftWork, response: draft_pb2.ProposeResponse) -> None:
+        assert len(response.proposals) == len(work.entries), "one proposal per entry"
+        for seq, base, epoch, entry, prop in zip(work.seqs, work.bases, work.epochs, work.entries,
+                                                  response.proposals, strict=True):
+            if seq.finished or seq.cache_epoch != epoch:
+                continue  # preempted or moved meanwhile: its draft cache was dropped
+            plain = list(prop.tokens)
+            seq.draft_stream = base + plain[:-1]
+            seq.draft_cached = prop.cached_len
+            assert prop.cached_len == len(seq.draft_stream), "draft cached_len disagrees with the router"
+            v = entry.num_verifying
+            history_len = len(base) - v
+            if plain:
+                seq.prepared.append(Prepared(len(base), (), tuple(plain), tuple(prop.probs)))
+            verifying = tuple(base[history_len:])
+            for spec, b in zip(entry.branches, prop.branches, strict=True):
+                seq.prepared.append(Prepared(history_len, verifying[:b.accepted] + (b.token,), tuple(b.drafts),
+                                             tuple(b.probs), b.accepted, spec.rank))
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Queue releases; they go out with the next chance (at once when up, on reconnect otherwise)."""
+        self._releases.extend(seq_ids)
+
+    async def flush_releases(self) -> None:
+        if not (self.up and self._releases and self.client is not None):
+            return
+        ids, self._releases = self._releases, []
+        try:
+            await self.client.release(ids)
+        except (ServiceDown, Rejected, CacheMissError) as err:
+            log.debug("draft release failed, kept for later: %s", err)
+            self._releases.extend(ids)

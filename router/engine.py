@@ -129,7 +129,7 @@ class RouterEngine:
             self.target_info = lane.info
         lane.loop = StepLoop(self.config, lane.scheduler, lane.target, lane.draft, self.metrics,
                              min(lane.info.max_model_len, self.target_info.max_model_len),
-                             self._emit, self.finish, lambda: self._target_lost(lane))
+                             self._emit, self.finish, lambda: self._target_lost(lane), lane.wake.set)
         self.lanes[lane.name] = lane
         share_draft_capacity(list(self.lanes.values()))
         lane.task = asyncio.create_task(self._run(lane))

@@ -133,3 +133,50 @@ def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCo
         ks[pick] += 1
         tokens += 1
         best = pick_goodput
+
+
+@dataclass
+class BranchCost:
+    """What a branched Propose costs: ms = a + b * rounds + c * branch_tokens (branches x drafts each),
+    least squares over decayed observations, priors until the data determine the three terms."""
+
+    a: float = 1.0
+    b: float = 0.5
+    c: float = 0.05
+    _sums: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, ms: float, rounds: int, branch_tokens: int, decay: float = 0.98) -> None:
+        x = (1.0, float(rounds), float(branch_tokens))
+        s = self._sums
+        for i in range(3):
+            s[f"y{i}"] = decay * s.get(f"y{i}", 0.0) + x[i] * ms
+            for j in range(3):
+                s[f"{i}{j}"] = decay * s.get(f"{i}{j}", 0.0) + x[i] * x[j]
+        if s["00"] < 8:
+            return
+        fitted = _solve3([[s[f"{i}{j}"] for j in range(3)] for i in range(3)], [s[f"y{i}"] for i in range(3)])
+        if fitted is not None and min(fitted) >= 0.0 and fitted[2] > 0.0:
+            self.a, self.b, self.c = fitted
+
+    def call_ms(self, rounds: int, branch_tokens: int) -> float:
+        return self.a + self.b * rounds + self.c * branch_tokens
+
+    def affordable(self, within_ms: float, rounds: int, k: int) -> int:
+        """How many branches of k drafts fit in within_ms."""
+        spare = within_ms - self.call_ms(rounds, 0)
+        return max(0, int(spare / (self.c * max(1, k))))
+
+
+def _solve3(m: list[list[float]], y: list[float]) -> tuple[float, float, float] | None:
+    """Gaussian elimination for the 3x3 normal equations; None when they are (nearly) singular."""
+    a = [row[:] + [v] for row, v in zip(m, y, strict=True)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-9 * max(1.0, abs(a[0][0])):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(3):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * z for x, z in zip(a[r], a[col], strict=True)]
+    return a[0][3] / a[0][0], a[1][3] / a[1][1], a[2][3] / a[2][2]

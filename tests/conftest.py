@@ -98,20 +98,27 @@ def write_tokenizer(directory: Path, vocab_size: int = 320) -> None:
 
 @pytest.fixture(scope="session")
 def model_pair(tmp_path_factory) -> tuple[Path, Path]:
-    """(target_dir, draft_dir): tiny random-init Llama pair sharing one trained tokenizer.
+    """(target_dir, draft_dir): a tiny random-init Llama target and a draft that agrees with it
+    about two times in three (the target's weights plus noise; its second choice is right another
+    ~17%), sharing one trained tokenizer: speculation accepts, rejects and guesses like a real pair.
     EOS is set to an id greedy decoding of these weights never reaches, so lengths are predictable."""
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("pair")
     write_tokenizer(root / "tok")
     vocab = len(json.loads((root / "tok" / "tokenizer.json").read_text())["model"]["vocab"])
-    dirs = []
-    for name, size, layers, seed in (("target", 64, 2, 0), ("draft", 32, 1, 1)):
-        cfg = LlamaConfig(hidden_size=size, intermediate_size=2 * size, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                          max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
-        d = write_checkpoint(cfg, root / name, seed=seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, bos_token_id=0,
+                      eos_token_id=1)
+    target = write_checkpoint(cfg, root / "target", seed=0)
+    draft = shutil.copytree(target, root / "draft")
+    weights = load_file(str(draft / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    save_file({n: w + 0.003 * torch.randn(w.shape, generator=gen) for n, w in weights.items()},
+              str(draft / "model.safetensors"), metadata={"format": "pt"})
+    for d in (target, draft):
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(root / "tok" / f, d / f)
-        dirs.append(d)
-    return dirs[0], dirs[1]
+    return target, draft

@@ -20,11 +20,24 @@ from router.server import Endpoints, RouterServer
 from target_service import server as target_server
 from tests.servers import RunningServer, start_server
 
+# The tiny test target costs about what its draft does, while a real one costs 8-10x more; a
+# pipelined draft (1 + k batched rounds per call) can only keep up with a target that slow, so the
+# test stacks give every Step this much extra time (spent awaiting, not computing).
+REALISTIC_STEP_S = 0.015
 
-def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0,
-                 block_size: int = 16) -> tuple[RunningServer, ModelRunner]:
+
+def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_size: int = 16,
+                 step_delay_s: float = 0.0) -> tuple[RunningServer, ModelRunner]:
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu"))
     servicer = target_server.create_servicer(runner)
+    if step_delay_s:
+        step = servicer.Step
+
+        async def slow_step(request, context):  # noqa: ANN001, ANN202
+            await asyncio.sleep(step_delay_s)
+            return await step(request, context)
+
+        servicer.Step = slow_step
     return start_server(lambda s: target_server.register(s, servicer), target_server.SERVICE_NAME, port), runner
 
 
@@ -122,12 +135,13 @@ def complete(url: str, prompt: list[int] | str, max_tokens: int, **extra) -> dic
 
 
 @contextlib.contextmanager
-def running_stack(model_pair: tuple[Path, Path], config: RouterConfig) -> Iterator[dict]:
+def running_stack(model_pair: tuple[Path, Path], config: RouterConfig,
+                  step_delay_s: float = REALISTIC_STEP_S) -> Iterator[dict]:
     """Target + draft + router on loopback for one test (or module); everything stopped after.
     Yields router, target/draft runners, the RunningServers as `parts` (tests may replace them
     after a restart), and the model dirs."""
     target_dir, draft_dir = model_pair
-    target, trunner = start_target(target_dir)
+    target, trunner = start_target(target_dir, step_delay_s=step_delay_s)
     draft, drunner = start_draft(draft_dir)
     parts = {"target": target, "draft": draft}
     router = start_router(config, target.address, draft.address, target_dir)

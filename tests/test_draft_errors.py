@@ -107,8 +107,8 @@ def test_capacity_is_checked_for_the_whole_proposal(draft_dir, tmp_path, svc):
         runner = small.runner
         sync(small.stub, (1, 0, toks(1, 20)))  # 5 of 8 blocks
         calls = runner.forward_calls
-        # round 1 (8 tokens, 2 blocks) would fit; the whole call (8 + 5 drafts cached + d_6 = 14 tokens) does not
-        for call in (lambda: propose(small.stub, entry(2, 0, toks(2, 8), k=6, guess=True)),
+        # round 0 (8 tokens, 2 blocks) would fit; the whole call (8 + 6 - 1 drafts cached = 13 tokens) does not
+        for call in (lambda: propose(small.stub, entry(2, 0, toks(2, 8), k=6)),
                      lambda: sync(small.stub, (2, 0, toks(2, 13)))):
             with pytest.raises(grpc.RpcError) as err:
                 call()

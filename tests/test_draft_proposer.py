@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from draft_service.proposer import DraftRequest, Proposer
-from engine import EngineConfig, InvalidInput, ModelRunner, SeqInput
+from draft_service.proposer import BranchSpec, DraftRequest, Proposer
+from engine import EngineConfig, InvalidInput, KVCacheExhausted, ModelRunner, SeqInput
+from engine.kv_cache import blocks_for
 from engine.sampling import SamplingSpec
-from tests.conftest import SMALL, hf_greedy, write_checkpoint
+from tests.conftest import SMALL, hf_greedy, hf_logits, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -31,27 +32,80 @@ def toks(seed: int, n: int) -> list[int]:
     return torch.randint(0, SMALL["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("ks, guesses, forwards", [
-    ([0, 0], [True, False], 1),  # nothing to draft: one forward caches the tokens
-    ([1, 0, 3], [False, True, False], 3),
-    ([2, 4, 1, 0], [True, False, True, True], 4),
-    ([5, 2], [True, True], 6),
+@pytest.mark.parametrize("ks, forwards", [
+    ([0, 0], 1),  # nothing to draft: one forward caches the tokens
+    ([1, 0, 3], 3),
+    ([2, 4, 1, 0], 4),
+    ([5, 2], 5),
 ])
-def test_rounds_are_shared_across_entries(model_dir, shared_runner, ks, guesses, forwards):
+def test_rounds_are_shared_across_entries(model_dir, shared_runner, ks, forwards):
     runner = shared_runner
     calls = runner.forward_calls
     prompts = [toks(i, 6 + 3 * i) for i in range(len(ks))]
-    reqs = [DraftRequest(i, 0, p, k, want_guess=g)
-            for i, (p, k, g) in enumerate(zip(prompts, ks, guesses, strict=True))]
+    reqs = [DraftRequest(i, 0, p, k) for i, (p, k) in enumerate(zip(prompts, ks, strict=True))]
     out = Proposer(runner).propose(reqs)
     assert out.forwards == runner.forward_calls - calls == forwards
     for p, q, res in zip(prompts, reqs, out.results, strict=True):
-        ref = hf_greedy(model_dir, p, q.k + 1)
-        assert res.tokens == ref[:q.k]
-        assert res.guess == (ref[q.k] if q.guessing else -1)
+        assert res.plain.drafts == (hf_greedy(model_dir, p, q.k) if q.k else [])
         assert res.cached_len == runner.cached_len(q.seq_id) == q.final_len
     runner.blocks.check_invariants()
     runner.release([q.seq_id for q in reqs])
+
+
+def ranked(model_dir, history: list[int]) -> list[int]:
+    """transformers' draft tokens after `history`, most likely first."""
+    return hf_logits(model_dir, history)[-1].argsort(descending=True).tolist()
+
+
+def test_branches_continue_each_outcome_of_the_verification_in_flight(model_dir):
+    """Drafts d1..d3 are being verified; each branch (j accepted, rank r) guesses the draft's r-th
+    favourite after d1..dj (never d_{j+1} itself, which a rejection rules out) and continues it greedily,
+    exactly as transformers would from that history."""
+    runner = runner_for(model_dir)
+    prompt, d = toks(40, 11), toks(41, 3)
+    runner.forward([SeqInput(7, 0, prompt[:-1], 0)])
+    free = runner.blocks.num_free
+    specs = [BranchSpec(0, 1), BranchSpec(0, 2), BranchSpec(1, 1), BranchSpec(3, 1), BranchSpec(3, 3)]
+    calls = runner.forward_calls
+    out = Proposer(runner).propose([DraftRequest(7, len(prompt) - 1, prompt[-1:] + d, 4, num_verifying=3,
+                                                 branches=specs)])
+    [res] = out.results
+    assert out.forwards == runner.forward_calls - calls == 1 + 4
+    assert res.plain.drafts == [] and len(res.branches) == len(specs)
+    for spec, got in zip(specs, res.branches, strict=True):
+        base = prompt + d[:spec.accepted]
+        candidates = [t for t in ranked(model_dir, base) if spec.accepted == 3 or t != d[spec.accepted]]
+        assert (got.accepted, got.token) == (spec.accepted, candidates[spec.rank - 1])
+        assert got.drafts == hf_greedy(model_dir, base + [got.token], 4)
+    assert res.cached_len == runner.cached_len(7) == len(prompt) + 3, "the verified drafts stay; branches go"
+    assert runner.blocks.num_free == free - (blocks_for(len(prompt) + 3, 4) - blocks_for(len(prompt) - 1, 4))
+    runner.blocks.check_invariants()
+
+
+def test_plain_and_branched_entries_share_rounds(model_dir):
+    runner = runner_for(model_dir)
+    a, b = toks(50, 9), toks(51, 14)
+    calls = runner.forward_calls
+    out = Proposer(runner).propose([DraftRequest(1, 0, a, 5), DraftRequest(2, 0, b, 3, num_verifying=2,
+                                                                           branches=[BranchSpec(2, 1)])])
+    assert out.forwards == runner.forward_calls - calls == 1 + max(5 - 1, 3)
+    assert out.results[0].plain.drafts == hf_greedy(model_dir, a, 5)
+    [branch] = out.results[1].branches
+    assert branch.drafts == hf_greedy(model_dir, b + [branch.token], 3) and branch.token == ranked(model_dir, b)[0]
+
+
+def test_sampled_branches_ship_the_q_they_drew_from_and_reproduce(model_dir):
+    runner = runner_for(model_dir)
+    prompt = toks(60, 10)
+    spec = SamplingSpec(temperature=0.8, seed=3)
+    req = DraftRequest(9, 0, prompt, 3, spec, num_verifying=2, branches=[BranchSpec(0, 1), BranchSpec(2, 1)])
+    first = Proposer(runner, sparse_top_n=8).propose([req]).results[0]
+    runner.release([9])
+    again = Proposer(runner, sparse_top_n=8).propose([req]).results[0]
+    for got, rep in zip(first.branches, again.branches, strict=True):
+        assert len(got.drafts) == len(got.probs) == 3
+        assert all(t in q.token_ids for t, q in zip(got.drafts, got.probs, strict=True))
+        assert got.drafts == rep.drafts and got.token == rep.token
 
 
 def test_empirical_frequencies_match_shipped_q(model_dir):
@@ -65,11 +119,11 @@ def test_empirical_frequencies_match_shipped_q(model_dir):
     for call in range(3):
         reqs = [DraftRequest(s, 0, prompt, 1, spec(call * 1000 + s)) for s in range(400)]
         for res in proposer.propose(reqs).results:
-            [q] = res.probs
+            [q] = res.plain.probs
             dist = dict(zip(q.token_ids, q.probs, strict=True))
             shipped = shipped or dist
-            assert dist.keys() == shipped.keys() and res.tokens[0] in dist
-            counts[res.tokens[0]] = counts.get(res.tokens[0], 0) + 1
+            assert dist.keys() == shipped.keys() and res.plain.drafts[0] in dist
+            counts[res.plain.drafts[0]] = counts.get(res.plain.drafts[0], 0) + 1
             n += 1
         runner.release(range(400))
     assert len(shipped) == 3
@@ -83,10 +137,21 @@ def test_validation_happens_before_any_forward(model_dir):
     proposer = Proposer(runner, max_draft_tokens=4)
     proposer.sync([SeqInput(1, 0, toks(1, 9))])
     calls = runner.forward_calls
-    with pytest.raises(InvalidInput, match=r"entries\[1\]\.k"):
-        proposer.propose([DraftRequest(1, 9, [3], 2), DraftRequest(2, 0, [3], 5)])
-    with pytest.raises(InvalidInput, match=r"entries\[0\]\.tokens"):
-        proposer.propose([DraftRequest(1, 9, [], 2)])
+    bad = [
+        ([DraftRequest(1, 9, [3], 2), DraftRequest(2, 0, [3], 5)], r"entries\[1\]\.k"),
+        ([DraftRequest(1, 9, [], 2)], r"entries\[0\]\.tokens"),
+        ([DraftRequest(1, 9, [3, 4], 2, num_verifying=2)], r"entries\[0\]\.num_verifying"),
+        ([DraftRequest(1, 9, [3, 4], 2, num_verifying=1, branches=[BranchSpec(2, 1)])], r"entries\[0\]\.branches"),
+        ([DraftRequest(1, 9, [3, 4], 2, num_verifying=1, branches=[BranchSpec(0, 0)])], r"entries\[0\]\.branches"),
+        ([DraftRequest(1, 9, [3, 4], 0, num_verifying=1, branches=[BranchSpec(0, 1)])], r"entries\[0\]\.k"),
+    ]
+    for requests, field in bad:
+        with pytest.raises(InvalidInput, match=field):
+            proposer.propose(requests)
+    with pytest.raises(KVCacheExhausted):  # 16 blocks of 4: the forks' blocks do not fit
+        proposer.propose([DraftRequest(1, 9, [3, 4], 4, num_verifying=1,
+                                       branches=[BranchSpec(1, r) for r in range(1, 9)])])
     assert runner.forward_calls == calls and runner.cached_len(1) == 9 and not runner.blocks.has(2)
+    runner.blocks.check_invariants()
     with pytest.raises(ValueError):
         Proposer(runner, sparse_top_n=0)

@@ -64,11 +64,13 @@ def svc(draft_dir):
     s.server.stop()
 
 
-def entry(seq_id: int, start_pos: int, tokens: list[int], k: int, guess: bool = False, temperature: float = 0.0,
-          seed: int | None = None, top_k: int = 0, top_p: float = 0.0) -> draft_pb2.ProposeEntry:
+def entry(seq_id: int, start_pos: int, tokens: list[int], k: int, temperature: float = 0.0,
+          seed: int | None = None, top_k: int = 0, top_p: float = 0.0, num_verifying: int = 0,
+          branches: tuple[tuple[int, int], ...] = ()) -> draft_pb2.ProposeEntry:
     sp = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed)
     return draft_pb2.ProposeEntry(seq_id=seq_id, start_pos=start_pos, tokens=tokens, k=k, sampling=sp,
-                                  want_guess=guess)
+                                  num_verifying=num_verifying,
+                                  branches=[draft_pb2.Branch(accepted=j, rank=r) for j, r in branches])
 
 
 def propose(stub, *entries: draft_pb2.ProposeEntry) -> list[draft_pb2.Proposal]:
@@ -87,56 +89,49 @@ def test_greedy_proposals_equal_hf_greedy_continuation(svc, draft_dir):
     assert list(sync(svc.stub, (101, 8, p1[8:22]), (102, 10, p2[10:16]), (103, 0, p3)).cached_len) == [22, 16, 30]
     calls = svc.runner.forward_calls
     got = propose(svc.stub,
-                  entry(101, 22, p1[22:], k=5, guess=True),
+                  entry(101, 22, p1[22:], k=5),
                   entry(102, 16, p2[16:], k=3),
-                  entry(103, 27, p3[27:], k=4, guess=True),  # trims 3 cached tokens and recomputes them
-                  entry(104, 0, p4, k=0, guess=True))  # k = 0: only caches, no guess
-    assert svc.runner.forward_calls - calls == 6  # max(k + guess), not the sum
-    for prompt, k, guess, prop in [(p1, 5, True, got[0]), (p2, 3, False, got[1]), (p3, 4, True, got[2])]:
-        ref = hf_greedy(draft_dir, prompt, k + 1)
-        assert list(prop.tokens) == ref[:k]
-        assert prop.guess == (ref[k] if guess else -1)
+                  entry(103, 27, p3[27:], k=4),  # trims 3 cached tokens and recomputes them
+                  entry(104, 0, p4, k=0))  # k = 0: only caches
+    assert svc.runner.forward_calls - calls == 5  # max(k), not the sum
+    for prompt, k, prop in [(p1, 5, got[0]), (p2, 3, got[1]), (p3, 4, got[2])]:
+        assert list(prop.tokens) == hf_greedy(draft_dir, prompt, k)
         assert len(prop.probs) == 0  # greedy ships ids only
-        assert prop.cached_len == len(prompt) + k - 1 + guess
-    assert (list(got[3].tokens), got[3].guess, got[3].cached_len) == ([], -1, len(p4))
+        assert prop.cached_len == len(prompt) + k - 1
+    assert (list(got[3].tokens), got[3].cached_len) == ([], len(p4))
     # the k = 0 entry is really cached: the next proposal starts from it
     [nxt] = propose(svc.stub, entry(104, len(p4), [7], k=3))
     assert list(nxt.tokens) == hf_greedy(draft_dir, p4 + [7], 3)
 
 
-def test_partial_then_full_acceptance(svc, draft_dir, monkeypatch):
-    runner = svc.runner
+def test_a_rejection_trims_the_stale_drafts(svc, draft_dir):
     prompt = toks(5, 20)
     sync(svc.stub, (201, 0, prompt[:-1]))
-    [first] = propose(svc.stub, entry(201, 19, prompt[-1:], k=5, guess=True))
+    [first] = propose(svc.stub, entry(201, 19, prompt[-1:], k=5))
     d = list(first.tokens)
-    assert d == hf_greedy(draft_dir, prompt, 5) and first.cached_len == 25
-
-    # target accepts d1, d2 and corrects d3: the draft's d3..d5 must go, c follows d2
+    assert d == hf_greedy(draft_dir, prompt, 5) and first.cached_len == 24
+    # target accepts d1, d2 and corrects d3: the draft's d3.. must go, c follows d2
     c = (d[2] + 1) % VOCAB
     hist = prompt + d[:2] + [c]
-    [part] = propose(svc.stub, entry(201, len(prompt) + 2, [c], k=4, guess=True))
-    ref = hf_greedy(draft_dir, hist, 5)
-    assert list(part.tokens) == ref[:4] and part.guess == ref[4]
-    assert part.cached_len == len(hist) + 4 - 1 + 1
-
-    # full acceptance: the target emits all 4 drafts plus a bonus that is not the draft's guess
-    seen = []
-    forward = runner.forward
-    monkeypatch.setattr(runner, "forward", lambda inputs: seen.append(list(inputs)) or forward(inputs))
-    for bonus in [(part.guess + 5) % VOCAB, None]:
-        hist = hist + list(part.tokens) + [part.guess if bonus is None else bonus]
-        start = len(hist) - 1
-        assert part.cached_len == start  # exactly what the draft holds: nothing to recompute
-        assert runner.cached_len(201) == start
-        seen.clear()
-        [part] = propose(svc.stub, entry(201, start, hist[-1:], k=4, guess=True))
-        ref = hf_greedy(draft_dir, hist, 5)
-        assert list(part.tokens) == ref[:4] and part.guess == ref[4]
-        assert [(x.start_pos, len(x.tokens)) for x in seen[0]] == [(start, 1)]  # round 1: one new token
-        assert [len(inputs) for inputs in seen] == [1] * 5
-        assert part.cached_len == start + 1 + 4
+    [part] = propose(svc.stub, entry(201, len(prompt) + 2, [c], k=4))
+    assert list(part.tokens) == hf_greedy(draft_dir, hist, 4) and part.cached_len == len(hist) + 3
     svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[201]), timeout=10)
+
+
+def test_branches_over_grpc_match_transformers(svc, draft_dir):
+    """The verification of d1 d2 is in flight; branches for 'd1 rejected' and 'both accepted' come back
+    as transformers' greedy continuations of those histories, and leave only the inputs cached."""
+    prompt, d = toks(6, 15), toks(7, 2)
+    sync(svc.stub, (202, 0, prompt[:-1]))
+    [prop] = propose(svc.stub, entry(202, 14, prompt[-1:] + d, k=3, num_verifying=2, branches=((0, 1), (2, 1))))
+    assert prop.cached_len == len(prompt) + 2 and not prop.tokens
+    for b, accepted in zip(prop.branches, (0, 2), strict=True):
+        base = prompt + d[:accepted]
+        assert b.accepted == accepted
+        assert list(b.drafts) == hf_greedy(draft_dir, base + [b.token], 3)
+    assert prop.branches[1].token == hf_greedy(draft_dir, prompt + d, 1)[0]
+    assert prop.branches[0].token != d[0]
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[202]), timeout=10)
 
 
 def _reference_draw(draft_dir, history: list[int], spec: SamplingSpec) -> tuple[dict[int, float], int]:
@@ -192,16 +187,18 @@ def test_sampled_tokens_follow_their_shipped_sparse_q(svc, draft_dir):
     svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=list(range(301, 309))), timeout=10)
 
 
-def test_32_sequences_k4_with_guess_take_5_forwards(svc, draft_dir):
+def test_32_sequences_with_4_branches_of_k4_take_5_forwards(svc, draft_dir):
     prompts = {400 + i: toks(400 + i, 5 + i % 13) for i in range(32)}
-    sync(svc.stub, *[(s, 0, p[:-1]) for s, p in prompts.items()])
+    sync(svc.stub, *[(s, 0, p[:-3]) for s, p in prompts.items()])
     calls = svc.runner.forward_calls
-    got = propose(svc.stub, *[entry(s, len(p) - 1, p[-1:], k=4, guess=True) for s, p in prompts.items()])
-    assert svc.runner.forward_calls - calls == 5  # not 32 * 4
+    got = propose(svc.stub, *[entry(s, len(p) - 3, p[-3:], k=4, num_verifying=2,
+                                    branches=((0, 1), (1, 1), (2, 1), (2, 2))) for s, p in prompts.items()])
+    assert svc.runner.forward_calls - calls == 5  # not 32 * 4 * 4
     for (s, p), prop in zip(prompts.items(), got, strict=True):
         assert prop.seq_id == s
-        assert list(prop.tokens) + [prop.guess] == hf_greedy(draft_dir, p, 5)
-        assert prop.cached_len == len(p) + 4
+        top = prop.branches[2]  # both drafts accepted, the draft's favourite next: its own greedy run
+        assert [top.token, *top.drafts] == hf_greedy(draft_dir, p, 5)
+        assert prop.cached_len == len(p)
     svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=list(prompts)), timeout=10)
 
 

@@ -100,3 +100,59 @@ def test_random_operations_never_leak(ops, block_size, num_blocks):
     for s in list(model):
         bm.free(s)
     assert bm.num_free == num_blocks
+
+
+# ---- forks: branches sharing a history ---------------------------------------------------------
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.append(1, 10)  # blocks for 0..3, 4..7, 8..9
+    parent = bm.block_table(1)
+    copy = bm.fork(1, 2, 9)
+    child = bm.block_table(2)
+    assert child[:2] == parent[:2] and child[2] != parent[2] and copy == (parent[2], child[2])
+    assert bm.length(2) == 9 and bm.num_free == 4
+    assert bm.fork(1, 3, 8) is None and bm.block_table(3) == parent[:2]  # a whole-block fork copies nothing
+    bm.append(2, 4)  # the child writes into its own copy, then a new block
+    bm.check_invariants()
+    bm.free(1)
+    assert bm.num_free == 4, "only the parent's private block returns; shared ones stay held"
+    bm.free(2)
+    bm.free(3)
+    assert bm.num_free == 8
+    bm.check_invariants()
+
+
+def test_trimming_a_shared_block_frees_nothing_and_capacity_knows_it():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.append(1, 8)
+    bm.fork(1, 2, 8)
+    assert bm.num_free == 2
+    assert bm.blocks_needed({2: (0, 12)}) == 3, "the shared blocks it trims stay with seq 1"
+    bm.trim(2, 0)
+    assert bm.num_free == 2 and bm.length(1) == 8
+    bm.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "trim", "fork", "free"]), st.integers(0, 3),
+                          st.integers(0, 3), st.integers(0, 12)), max_size=40))
+def test_forks_never_leak_or_double_own(ops):
+    bm = BlockManager(num_blocks=16, block_size=4)
+    for op, a, b, n in ops:
+        try:
+            if op == "append":
+                bm.append(a, n)
+            elif op == "trim":
+                bm.trim(a, min(n, bm.length(a)))
+            elif op == "fork" and a != b and not bm.has(b):
+                bm.fork(a, b, min(n, bm.length(a)))
+            elif op == "free":
+                bm.free(a)
+        except KVCacheExhausted:
+            pass
+        except AssertionError as err:
+            assert "shared block" in str(err)  # appending into a block a fork shares is refused
+        bm.check_invariants()
+    for seq in range(4):
+        bm.free(seq)
+    assert bm.num_free == 16

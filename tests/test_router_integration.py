@@ -11,7 +11,7 @@ import pytest
 
 from router.config import RouterConfig
 from tests.conftest import hf_greedy
-from tests.stack import complete, running_stack, start_draft, start_router, start_target, wait_until
+from tests.stack import REALISTIC_STEP_S, complete, running_stack, start_draft, start_router, start_target, wait_until
 
 
 def prompts(n: int, vocab: int = 320) -> list[list[int]]:
@@ -51,7 +51,7 @@ def test_16_concurrent_greedy_requests_match_transformers(stack):
 
 def test_draft_identical_to_target_accepts_everything(model_pair):
     target_dir, _ = model_pair
-    target, _ = start_target(target_dir)
+    target, _ = start_target(target_dir, step_delay_s=REALISTIC_STEP_S)
     draft, _ = start_draft(target_dir)  # same weights: every greedy draft is right
     router = start_router(RouterConfig(dynamic_k=False, k_max=4), target.address, draft.address, target_dir)
     try:
@@ -60,8 +60,10 @@ def test_draft_identical_to_target_accepts_everything(model_pair):
         assert out["choices"][0]["token_ids"] == hf_greedy(target_dir, p, 40)
         drafted = metric(router.url, "tandem:spec_decode_num_draft_tokens_total")
         assert drafted > 0 and metric(router.url, "tandem:spec_decode_num_accepted_tokens_total") == drafted
+        # the draft prepared each next step while the target verified this one (the first steps may
+        # miss: its first call also mirrors the whole prompt)
         hits = metric(router.url, "tandem:pipeline_hits_total")
-        assert hits >= metric(router.url, "tandem:pipeline_lookups_total") - 1
+        assert hits >= metric(router.url, "tandem:pipeline_lookups_total") - 3
     finally:
         router.stop(), target.stop(), draft.stop()
 

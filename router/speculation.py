@@ -1,0 +1,135 @@
+"""The speculation cache: proposals prepared for the likely outcomes of a verification in flight.
+
+While the target verifies d_1..d_v of a sequence, the draft prepares branches: "d_1..d_j accepted,
+then token x" for the most probable (j, x), x the draft's rank-r candidate there. When the target
+answers, the branch whose outcome happened is the next step's proposal (SSD/Saguaro's
+pre-speculation; SGLang's enumeration design; PEARL's pre-verify/post-verify).
+
+    history h (n tokens) | d1 d2 d3 under verification
+    outcome "d1 accepted, then x":  h d1 x | e1 e2 e3 e4     <- branch (j=1, x = rank r after d1)
+    outcome "all accepted, bonus":  h d1 d2 d3 y | e1 .. e4   <- branch (j=3, y = rank r after d3)
+
+A prepared proposal is used only where its outcome is a prefix of the history, with its exact q,
+so losslessness does not depend on guessing right: a miss only costs that sequence its speculation
+for one step. A late proposal is still used while it agrees with the history.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from router.spec_policy import expected_tokens
+from tandem.v1 import common_pb2
+
+MAX_RANK = 8  # candidates considered per outcome position
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """After history[:start]: the outcome `prefix` it bets on, then `drafts` with their q (empty when greedy)."""
+
+    start: int
+    prefix: tuple[int, ...]
+    drafts: tuple[int, ...]
+    probs: tuple[common_pb2.SparseDist, ...] = ()
+    accepted: int = 0  # the outcome (j, rank); rank 0: a plain continuation
+    rank: int = 0
+
+    def remaining(self, history: Seq[int]) -> int:
+        """How many leading drafts the history already holds (-1: the proposal does not continue it)."""
+        end = self.start + len(self.prefix)
+        seen = len(history) - end
+        if seen < 0 or seen > len(self.drafts) or tuple(history[self.start:end]) != self.prefix:
+            return -1
+        if seen and tuple(history[end:]) != self.drafts[:seen]:
+            return -1
+        return seen
+
+
+def best_proposal(prepared: list[Prepared], history: Seq[int]) -> tuple[list[int], list[common_pb2.SparseDist]]:
+    """The longest still-valid continuation of `history` among the prepared ones: (drafts, their q)."""
+    best: tuple[list[int], list[common_pb2.SparseDist]] = ([], [])
+    for p in prepared:
+        seen = p.remaining(history)
+        if seen >= 0 and len(p.drafts) - seen > len(best[0]):
+            best = (list(p.drafts[seen:]), list(p.probs[seen:]))
+    return best
+
+
+def prune(prepared: list[Prepared], history: Seq[int]) -> list[Prepared]:
+    """Drop what can no longer continue the history (it only grows)."""
+    return [p for p in prepared if len(history) < p.start + len(p.prefix) or 0 <= p.remaining(history) < len(p.drafts)]
+
+
+@dataclass
+class _RankCounts:
+    hits: list[float]
+    trials: list[float]
+
+    def p(self, rank: int) -> float:
+        return self.hits[rank] / self.trials[rank]
+
+
+def _prior(first: float, decay: float) -> _RankCounts:
+    """Pseudo-counts worth 4 observations: P(rank r) = first * decay^(r-1)."""
+    return _RankCounts([0.0] + [4.0 * first * decay ** (r - 1) for r in range(1, MAX_RANK + 1)],
+                       [1.0] + [4.0] * MAX_RANK)
+
+
+@dataclass
+class OutcomeStats:
+    """How often the target's next token is the draft's rank-r candidate: after a rejection (the
+    corrected token, the draft's rejected favourite excluded) and after full acceptance (the bonus).
+    Learned from the branches the router prepared: which ranks it prepares never depends on the
+    outcome, so hits / trials per rank is unbiased."""
+
+    corrected: _RankCounts = field(default_factory=lambda: _prior(0.35, 0.55))
+    bonus: _RankCounts = field(default_factory=lambda: _prior(0.6, 0.4))
+    decay: float = 0.999
+
+    def p(self, full: bool, rank: int) -> float:
+        return (self.bonus if full else self.corrected).p(rank)
+
+    def observe(self, full: bool, ranks: Seq[int], hit: int | None) -> None:
+        """ranks: those prepared for the outcome that happened; hit: the one that matched (or None)."""
+        counts = self.bonus if full else self.corrected
+        for r in ranks:
+            counts.trials[r] = self.decay * counts.trials[r] + 1
+            counts.hits[r] = self.decay * counts.hits[r] + (1.0 if r == hit else 0.0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A sequence whose next outcome the draft may prepare: v drafts being verified (0: a plain
+    decode or a first token), per-token acceptance a, k drafts per branch."""
+
+    key: int
+    v: int
+    a: float
+    k: int
+
+
+def plan_branches(cands: list[Candidate], stats: OutcomeStats, budget: int) -> dict[int, list[tuple[int, int]]]:
+    """Choose up to `budget` branches (j, rank) over all candidates by expected value: the outcome's
+    probability times the tokens its proposal would yield. Every candidate gets its most valuable one."""
+    scored: list[tuple[float, int, int, int]] = []  # (-value, key, j, rank)
+    for c in cands:
+        gain = expected_tokens(c.a, c.k) - 1.0
+        for j in range(c.v + 1):
+            p_j = c.a ** j * ((1.0 - c.a) if j < c.v else 1.0)
+            for r in range(1, MAX_RANK + 1):
+                scored.append((-(p_j * stats.p(j == c.v, r) * gain), c.key, j, r))
+    heapq.heapify(scored)
+    plan: dict[int, list[tuple[int, int]]] = {}
+    rest: list[tuple[float, int, int, int]] = []
+    while scored:
+        item = heapq.heappop(scored)
+        if item[1] not in plan:
+            plan[item[1]] = [(item[2], item[3])]
+        else:
+            rest.append(item)
+    for _, key, j, r in rest[:max(0, budget - len(plan))]:
+        plan[key].append((j, r))
+    return plan
