@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.runner import CacheMiss, InvalidInput, ModelRunner, SeqInput
-from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample, truncate_top
+from engine.sampling import SamplingSpec, filtered_probs, sample, truncate_top, uniforms
+from engine.transfer import to_lists
 
-DRAFT_STREAM = 0  # row_generator stream of the draft's own draws
+DRAFT_STREAM = 0  # draw_uniform stream of the draft's own draws
 
 
 @dataclass(frozen=True)
@@ -175,14 +176,14 @@ class Proposer:
         specs = [requests[rows[n]].spec for n in sampled]
         # q is the target's filtered distribution truncated to the top n: exactly what is sampled
         ids, q = truncate_top(filtered_probs(logits[sampled], specs), self.sparse_top_n)
-        gens = []
+        draws = []
         for n in sampled:
             req, res = requests[rows[n]], results[rows[n]]
             position = req.start_pos + len(req.tokens) + len(res.tokens)  # where this draft will sit
-            gens.append(row_generator(req.spec.seed, position, DRAFT_STREAM))
-        picks = sample(q, gens)
-        tokens = ids.gather(-1, picks[:, None]).squeeze(-1).tolist()
-        for n, tok, row_ids, row_q in zip(sampled, tokens, ids.tolist(), q.tolist(), strict=True):
+            draws.append((req.spec.seed, position, DRAFT_STREAM))
+        picks = sample(q, uniforms(draws, q.device))
+        tokens, ids_l, q_l = to_lists(ids.gather(-1, picks[:, None]).squeeze(-1), ids, q)
+        for n, tok, row_ids, row_q in zip(sampled, tokens, ids_l, q_l, strict=True):
             res = results[rows[n]]
             res.tokens.append(tok)
             keep = [j for j, p in enumerate(row_q) if p > 0.0]  # filtered-out tokens carry no mass
