@@ -16,11 +16,14 @@ BatchLayout and the same cache layout, so tests of one hold the other to the sam
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -176,9 +179,31 @@ def flash_attn_available() -> bool:
     return True
 
 
-def select_backend(choice: str, device: torch.device, scale: float,
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def uses_flash(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether select_backend picks flash-attn; ValueError for an explicit choice it cannot run.
+
+    auto: flash-attn on CUDA when it imports and the dtype is fp16/bf16 (its kernels have no fp32)."""
+    if choice == "flash":
+        if device.type != "cuda":
+            raise ValueError(f"--attention-backend flash needs a CUDA device, got {device}")
+        if dtype not in FLASH_DTYPES:
+            raise ValueError(f"--attention-backend flash runs float16 or bfloat16 only, got {dtype}: "
+                             "use --dtype bfloat16, or --attention-backend torch for float32")
+        return True
+    if choice != "auto" or device.type != "cuda" or not flash_attn_available():
+        return False
+    if dtype not in FLASH_DTYPES:
+        log.info("attention: PyTorch SDPA, not flash-attn: flash-attn has no %s kernels", dtype)
+        return False
+    return True
+
+
+def select_backend(choice: str, device: torch.device, dtype: torch.dtype, scale: float,
                    sliding_window: int | None) -> AttentionBackend:
-    """auto: flash-attn on CUDA when it imports, else PyTorch SDPA."""
-    if choice == "flash" or (choice == "auto" and device.type == "cuda" and flash_attn_available()):
+    """auto: flash-attn on CUDA when it imports and the dtype allows, else PyTorch SDPA."""
+    if uses_flash(choice, device, dtype):
         return FlashAttnBackend(scale, sliding_window)
     return TorchBackend(scale, sliding_window)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import BatchLayout, select_backend
+from engine.attention import BatchLayout, select_backend, uses_flash
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import BlockManager, PagedKVCache
 from engine.model import CausalLM, ForwardContext
@@ -62,7 +62,8 @@ class ModelRunner:
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.kv_cache = PagedKVCache(mc.num_layers, config.num_blocks, config.block_size,
                                      mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.backend = select_backend(config.attention_backend, self.device, mc.head_dim**-0.5, mc.sliding_window)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype, mc.head_dim**-0.5,
+                                      mc.sliding_window)
         self.forward_calls = 0  # counted so tests can prove batching (k forwards, not n * k)
 
     @classmethod
@@ -75,6 +76,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len {max_len} exceeds the checkpoint's {mc.max_position_embeddings}")
         t0 = time.perf_counter()
         device, dtype = config.resolved_device(), config.resolved_dtype()
+        uses_flash(config.attention_backend, device, dtype)  # refuse flash + fp32 before loading anything
         with torch.device("meta"):
             model = CausalLM(mc, max_len)
         model = model.to_empty(device=device).to(dtype)

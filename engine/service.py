@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.protocol import CACHE_MISS_METADATA, PROTOCOL
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
-from engine.attention import flash_attn_available
+from engine.attention import uses_flash
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
@@ -50,7 +50,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         help="auto = bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash"],
-                        help="auto = flash-attn on CUDA when it imports, else PyTorch SDPA")
+                        help="auto = flash-attn on CUDA with float16/bfloat16 when it imports, else PyTorch SDPA")
     parser.add_argument("--max-draft-tokens", type=int, default=8, help="largest k per sequence per call")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
@@ -61,8 +61,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     probe = EngineConfig(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
     device = probe.resolved_device()
-    flash = args.attention_backend == "flash" or (args.attention_backend == "auto" and device.type == "cuda"
-                                                   and flash_attn_available())
+    flash = uses_flash(args.attention_backend, device, probe.resolved_dtype())
     block_size = args.block_size or (256 if flash else 16)  # flash-attn's paged kernels need 256-token pages
     num_blocks = args.num_blocks
     if not num_blocks:
@@ -79,7 +78,11 @@ def load_runner(args: argparse.Namespace) -> ModelRunner:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner = ModelRunner.load(args.model, engine_config_from_args(args))
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:  # a setting the hardware cannot honour: say which, without a traceback
+        raise SystemExit(f"error: {e}") from None
+    runner = ModelRunner.load(args.model, config)
     cfg = runner.config
     log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; backend %s; dtype %s; device %s",
              cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size, runner.max_model_len,
