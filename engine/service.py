@@ -24,6 +24,7 @@ from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from engine.attention import uses_flash
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
+from engine.parallel import SINGLE, TensorParallel
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import SamplingSpec, validate_sampling
 from tandem.v1 import common_pb2
@@ -66,7 +67,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     num_blocks = args.num_blocks
     if not num_blocks:
         mc = ModelConfig.from_dir(args.model)
-        per_block = PagedKVCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim,
+        kv_heads = mc.num_kv_heads // getattr(args, "tensor_parallel_size", 1)  # per rank under TP
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, block_size, kv_heads, mc.head_dim,
                                                  probe.resolved_dtype())
         num_blocks = max(1, int((args.kv_cache_gib or 0.25) * 2**30 // per_block))
     return EngineConfig(num_blocks=num_blocks, block_size=block_size, dtype=args.dtype, device=args.device,
@@ -74,15 +76,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         attention_backend=args.attention_backend)
 
 
-def load_runner(args: argparse.Namespace) -> ModelRunner:
+def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return engine_config_from_args(args)
+    except ValueError as e:  # a setting the hardware cannot honour: say which, without a traceback
+        raise SystemExit(f"error: {e}") from None
+
+
+def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
+                config: EngineConfig | None = None) -> ModelRunner:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        config = engine_config_from_args(args)
-    except ValueError as e:  # a setting the hardware cannot honour: say which, without a traceback
-        raise SystemExit(f"error: {e}") from None
-    runner = ModelRunner.load(args.model, config)
+    runner = ModelRunner.load(args.model, config or checked_engine_config(args), tp)
     cfg = runner.config
     log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; backend %s; dtype %s; device %s",
              cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size, runner.max_model_len,
