@@ -48,6 +48,12 @@ class AttentionBackend(Protocol):
         """Per-forward precomputation shared by every layer."""
         ...
 
+    def plan_uniform(self, starts: torch.Tensor, block_tables: torch.Tensor, block_size: int, q_len: int) -> object:
+        """The plan of B sequences with q_len queries each, from device tensors only (no host
+        sync, fixed shapes): what a CUDA graph captures. Query i of sequence b sits at position
+        starts[b] + i; keys are read through block_tables [B, W] up to W * block_size positions."""
+        ...
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
         """q: [T, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim] -> [T, heads, head_dim]."""
         ...
@@ -59,6 +65,7 @@ class _TorchPlan:
     query_valid: torch.Tensor  # [B, Qmax] bool
     key_slots: torch.Tensor  # [B, Kmax] flat slot of each key position (padding -> slot 0)
     mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
+    uniform: bool = False  # every row has Qmax valid queries, in flat order: reshape, no boolean index
 
 
 class TorchBackend:
@@ -105,6 +112,20 @@ class TorchBackend:
             mask &= j[None, None, :] > q_pos[:, :, None] - self.sliding_window
         return _TorchPlan(query_index, query_valid, key_slots, mask[:, None])
 
+    def plan_uniform(self, starts: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                     q_len: int) -> list[_TorchPlan]:
+        dev, b = starts.device, starts.shape[0]
+        i = torch.arange(q_len, device=dev)
+        j = torch.arange(block_tables.shape[1] * block_size, device=dev)
+        key_slots = block_tables.long()[:, j // block_size] * block_size + (j % block_size)[None, :]
+        q_pos = starts[:, None] + i[None, :]
+        mask = j[None, None, :] <= q_pos[:, :, None]
+        if self.sliding_window is not None:
+            mask &= j[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        query_index = torch.arange(b * q_len, device=dev).view(b, q_len)
+        valid = torch.ones(b, q_len, dtype=torch.bool, device=dev)
+        return [_TorchPlan(query_index, valid, key_slots, mask[:, None], uniform=True)]
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
         assert isinstance(plan, list)
         kv_heads, head_dim = k_cache.shape[-2:]
@@ -117,7 +138,9 @@ class TorchBackend:
             o = F.scaled_dot_product_attention(
                 qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=g.mask, scale=self.scale, enable_gqa=True,
-            ).transpose(1, 2)[g.query_valid]  # row-major (b, i): the group's tokens in flat order
+            ).transpose(1, 2)
+            # row-major (b, i): the group's tokens in flat order
+            o = o.reshape(-1, *o.shape[2:]) if g.uniform else o[g.query_valid]
             if out is None:
                 return o
             out[g.query_index[g.query_valid]] = o
@@ -158,6 +181,18 @@ class FlashAttnBackend:
             max_seqlen_q=max(layout.query_lens),
             max_seqlen_k=max(layout.context_lens),
             block_table=layout.block_tables.to(dev, torch.int32),
+        )
+
+    def plan_uniform(self, starts: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                     q_len: int) -> _FlashPlan:
+        dev, b = starts.device, starts.shape[0]
+        klens = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), (starts + q_len).to(torch.int32)])
+        return _FlashPlan(
+            cu_seqlens_q=torch.arange(0, (b + 1) * q_len, q_len, dtype=torch.int32, device=dev),
+            cu_seqlens_k=torch.cumsum(klens, 0, dtype=torch.int32),
+            max_seqlen_q=q_len,
+            max_seqlen_k=block_tables.shape[1] * block_size,
+            block_table=block_tables,
         )
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:

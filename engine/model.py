@@ -26,11 +26,11 @@ class ForwardContext:
 
     positions: torch.Tensor  # [T] position of each flat token
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    layout: BatchLayout
+    layout: BatchLayout | None  # None in a CUDA graph's uniform batch (engine/cuda_graphs.py)
     backend: AttentionBackend
     plan: object  # backend.plan(layout)
     kv_cache: PagedKVCache
-    logits_indices: torch.Tensor  # [N] flat tokens whose logits are returned
+    logits_indices: torch.Tensor | None  # [N] flat tokens whose logits are returned (forward() only)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -180,6 +180,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] (float32) for ctx.logits_indices only."""
+        assert ctx.logits_indices is not None
         return self.logits(self.hidden_states(input_ids, ctx), ctx.logits_indices)
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from engine.attention import BatchLayout, select_backend, uses_flash
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import GraphRunner
 from engine.kv_cache import BlockManager, PagedKVCache
 from engine.model import CausalLM, ForwardContext
 from engine.parallel import SINGLE, TensorParallel, check_shardable
@@ -80,6 +81,16 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device, self.dtype, mc.head_dim**-0.5,
                                       mc.sliding_window)
         self.forward_calls = 0  # counted so tests can prove batching (k forwards, not n * k)
+        self.graphs: GraphRunner | None = None  # CUDA graphs for decode/verify steps (use_graphs)
+
+    def use_graphs(self, capture: bool = True) -> None:
+        """Run decode/verify steps through fixed-shape graphs; capture=False runs the same padded
+        forward eagerly (CPU tests of the layout, graphs-vs-eager comparisons)."""
+        cfg = self.config
+        self.graphs = GraphRunner(self, min(cfg.cuda_graph_max_batch, cfg.max_batch_tokens),
+                                  cfg.cuda_graph_max_query, capture)
+        if capture:
+            self.graphs.capture_all()
 
     @classmethod
     def load(cls, model_dir: str | Path, config: EngineConfig | None = None,
@@ -101,10 +112,13 @@ class ModelRunner:
         load_weights(model, model_dir)
         model.model.rotary.build(device)  # float32 tables: not weights, so not in the checkpoint
         model.eval()
+        runner = cls(model, config, model_dir)
+        if config.cuda_graphs:
+            runner.use_graphs()
         log.info("loaded %s (%s, %.1fM params%s) on %s/%s in %.1fs", model_dir.name, mc.architecture,
                  sum(p.numel() for p in model.parameters()) / 1e6,
                  f" on rank {tp.rank} of {tp.size}" if tp.size > 1 else "", device, dtype, time.perf_counter() - t0)
-        return cls(model, config, model_dir)
+        return runner
 
     # ---- state -------------------------------------------------------------------------
     def cached_len(self, seq_id: int) -> int:
@@ -179,6 +193,9 @@ class ModelRunner:
 
     def execute(self, batch: FlatBatch) -> torch.Tensor:
         """Run the model over a flattened batch: logits on the leader, an empty tensor on followers."""
+        if self.graphs is not None and (shape := self.graphs.shape_for(batch)) is not None:
+            self.forward_calls += 1
+            return self.graphs.run(batch, shape)
         dev = self.device
         layout = BatchLayout(batch.start_positions, batch.query_lens,
                              torch.tensor(batch.block_tables, dtype=torch.int32, device=dev),

@@ -53,6 +53,11 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash"],
                         help="auto = flash-attn on CUDA with float16/bfloat16 when it imports, else PyTorch SDPA")
     parser.add_argument("--max-draft-tokens", type=int, default=8, help="largest k per sequence per call")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (by default, on CUDA, decode/verify steps replay graphs captured "
+                             "per batch-size bucket at start-up)")
+    parser.add_argument("--cuda-graph-max-batch", type=int, default=64,
+                        help="sequences in the largest captured decode/verify step; larger steps run eagerly")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, how long the step in flight may take to finish")
@@ -73,7 +78,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_blocks = max(1, int((args.kv_cache_gib or 0.25) * 2**30 // per_block))
     return EngineConfig(num_blocks=num_blocks, block_size=block_size, dtype=args.dtype, device=args.device,
                         max_model_len=args.max_model_len, max_batch_tokens=args.max_batch_tokens,
-                        attention_backend=args.attention_backend)
+                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                        cuda_graph_max_batch=args.cuda_graph_max_batch,
+                        cuda_graph_max_query=max(1, args.max_draft_tokens + 1))
 
 
 def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -90,9 +97,10 @@ def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
         torch.set_num_threads(args.threads)
     runner = ModelRunner.load(args.model, config or checked_engine_config(args), tp)
     cfg = runner.config
-    log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; backend %s; dtype %s; device %s",
+    log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; backend %s; dtype %s; device %s; %s",
              cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size, runner.max_model_len,
-             runner.backend.name, runner.dtype, runner.device)
+             runner.backend.name, runner.dtype, runner.device,
+             "CUDA graphs" if runner.graphs is not None else "eager")
     return runner
 
 
