@@ -4,6 +4,7 @@ shapes that do not divide are refused by name; the follower processes never outl
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -84,3 +85,20 @@ def test_followers_exit_when_rank_0_is_gone(tmp_path):
     finally:
         followers.stop(None, timeout=1)
     assert os.getpid()  # this process, rank 0, is unaffected
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_two_gpus_give_the_logits_of_one(tmp_path):
+    model_dir = write_checkpoint(Qwen2Config(**SMALL), tmp_path / "m", seed=5)
+    config = EngineConfig(num_blocks=64, block_size=16, device="cuda", dtype="float32", attention_backend="torch")
+    single = _steps(ModelRunner.load(model_dir, config))
+    followers = Followers.start(2, model_dir, config)
+    runner = None
+    try:
+        runner = ModelRunner.load(model_dir, dataclasses.replace(config, device="cuda:0"), followers.tp)
+        split = _steps(runner)
+    finally:
+        followers.stop(runner)
+    for got, want in zip(split, single, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
