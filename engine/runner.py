@@ -25,6 +25,7 @@ from engine.parallel import SINGLE, TensorParallel, check_shardable
 from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
+_SDPA_GRAPH_MAX_LEN = 4096  # beyond this, graphs over the SDPA fallback cost more memory than they save time
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,11 @@ class ModelRunner:
         model.model.rotary.build(device)  # float32 tables: not weights, so not in the checkpoint
         model.eval()
         runner = cls(model, config, model_dir)
-        if config.cuda_graphs:
+        if config.cuda_graphs and (runner.backend.name == "flash-attn" or runner.max_model_len <= _SDPA_GRAPH_MAX_LEN):
             runner.use_graphs()
+        elif config.cuda_graphs:
+            log.info("CUDA graphs off: the SDPA fallback would gather all %d key positions per sequence in every "
+                     "graph (flash-attn reads the cache in place)", runner.max_model_len)
         log.info("loaded %s (%s, %.1fM params%s) on %s/%s in %.1fs", model_dir.name, mc.architecture,
                  sum(p.numel() for p in model.parameters()) / 1e6,
                  f" on rank {tp.rank} of {tp.size}" if tp.size > 1 else "", device, dtype, time.perf_counter() - t0)
