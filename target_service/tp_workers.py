@@ -75,7 +75,11 @@ def follower_main(rank: int, size: int, init_method: str, model_dir: str, config
     runner = ModelRunner.load(model_dir, config, tp)
     forwards = runner.follow()
     log.info("rank %d stopping after %d forwards", rank, forwards)
-    dist.destroy_process_group()
+    logging.shutdown()
+    # No destroy_process_group(), no interpreter teardown: gloo's destructors racing rank 0's own
+    # teardown abort the process ("terminate called without an active exception"). The OS closes
+    # the sockets; rank 0 has already stopped sending.
+    os._exit(0)
 
 
 class Followers:
