@@ -1,12 +1,8 @@
-# Tandem: one image for the router, draft_service and target_service (and demo_models).
+# Tandem on CPU: one image for the router, draft_service and target_service (and demo_models),
+# used by the `cpu` overlay. GPUs: Dockerfile.cuda (CUDA torch + flash-attn), the `gpu` overlay.
 #
-#   docker build -t ghcr.io/tandem-serving/tandem:0.1.0 .            # CPU build of torch (default)
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-#                -t ghcr.io/tandem-serving/tandem:0.1.0 .            # CUDA build of torch
+#   docker build -t ghcr.io/tandem-serving/tandem:0.1.0 .            (make image)
 #
-# The CUDA wheels bundle the CUDA runtime libraries; the node's NVIDIA driver and container
-# toolkit provide the rest, so both builds share this Debian base. flash-attn (the `cuda` extra)
-# is not installed: it needs a CUDA toolchain to build; the engine then uses PyTorch SDPA.
 # Every version comes from pyproject.toml; nothing is pinned twice.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -35,13 +31,14 @@ COPY proto/ proto/
 RUN mkdir -p tandem/v1 \
  && python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/tandem/v1/*.proto
 
+COPY common/ common/
 COPY engine/ engine/
 COPY draft_service/ draft_service/
 COPY target_service/ target_service/
 COPY router/ router/
 COPY demo_models/ demo_models/
 # Bytecode now: the root filesystem is read-only at run time.
-RUN python -m compileall -q engine draft_service target_service router demo_models tandem \
+RUN python -m compileall -q common engine draft_service target_service router demo_models tandem \
  && python -c "import router.__main__, target_service.__main__, draft_service.__main__"
 
 # ---- runtime: the venv and the sources, non-root ---------------------------------------------
@@ -51,6 +48,7 @@ RUN groupadd --system --gid 10001 tandem \
         --shell /usr/sbin/nologin tandem
 COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder /app/tandem /app/tandem
+COPY --from=builder /app/common /app/common
 COPY --from=builder /app/engine /app/engine
 COPY --from=builder /app/draft_service /app/draft_service
 COPY --from=builder /app/target_service /app/target_service

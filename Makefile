@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS := tandem/v1/.generated
 
-.PHONY: help install proto lint test e2e-test run bench deploy image clean
+.PHONY: help install proto lint test e2e-test run bench deploy image image-cuda gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -53,13 +53,20 @@ run: $(STUBS) models  ## build the models if absent, start target + draft + rout
 bench: $(STUBS) models  ## latency/throughput of every config vs transformers (~12-20 min; BENCH_ARGS=--quick: ~3)
 	$(PY) -m bench $(BENCH_ARGS)
 
+gpu-check: $(STUBS)  ## on a CUDA machine: GPU parity, sampling, CUDA graphs, quick bench -> gpu-check-report.md (<= 8 min; no GPU: says so, exits 0)
+	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
 OVERLAY ?= gpu
 deploy:  ## kubectl apply -k deploy/overlays/$(OVERLAY)  (OVERLAY=gpu|cpu)
 	kubectl apply -k deploy/overlays/$(OVERLAY)
 
 IMAGE ?= ghcr.io/tandem-serving/tandem:0.1.0
-image:  ## build the container image (needs a Docker engine)
+image:  ## build the CPU container image, used by the cpu overlay (needs a Docker engine)
 	docker build -t $(IMAGE) .
+
+CUDA_IMAGE ?= ghcr.io/tandem-serving/tandem:0.1.0-cuda12.6
+image-cuda:  ## build the CUDA image (torch cu126 + flash-attn), used by the gpu overlay
+	docker build -f Dockerfile.cuda -t $(CUDA_IMAGE) .
 
 clean:  ## remove generated stubs and caches (keeps .venv and models/)
 	rm -rf tandem .pytest_cache .ruff_cache

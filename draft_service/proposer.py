@@ -31,9 +31,10 @@ import torch
 
 from engine.kv_cache import blocks_for
 from engine.runner import CacheMiss, InvalidInput, ModelRunner, SeqInput
-from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample, truncate_top
+from engine.sampling import SamplingSpec, filtered_probs, sample, truncate_top, uniforms
+from engine.transfer import to_lists
 
-DRAFT_STREAM = 0  # row_generator stream of the draft's own draws
+DRAFT_STREAM = 0  # draw_uniform stream of the draft's own draws
 
 
 @dataclass(frozen=True)
@@ -228,11 +229,11 @@ class Proposer:
             specs = [rows[live[n]].request.spec for n in sampled]
             # q is the target's filtered distribution truncated to the top n: exactly what is sampled
             ids, q = truncate_top(filtered_probs(logits[sampled], specs), self.sparse_top_n)
-            gens = [row_generator(rows[live[n]].request.spec.seed, rows[live[n]].position + 1, DRAFT_STREAM)
-                    for n in sampled]
-            picks = sample(q, gens)
-            tokens = ids.gather(-1, picks[:, None]).squeeze(-1).tolist()
-            for n, tok, row_ids, row_q in zip(sampled, tokens, ids.tolist(), q.tolist(), strict=True):
+            # a draft sits at position + 1 (the next draw continues the token at `position`)
+            draws = [(rows[live[n]].request.spec.seed, rows[live[n]].position + 1, DRAFT_STREAM) for n in sampled]
+            picks = sample(q, uniforms(draws, q.device))
+            tokens, ids_l, q_l = to_lists(ids.gather(-1, picks[:, None]).squeeze(-1), ids, q)
+            for n, tok, row_ids, row_q in zip(sampled, tokens, ids_l, q_l, strict=True):
                 drawn[n] = tok
                 keep = [j for j, p in enumerate(row_q) if p > 0.0]  # filtered-out tokens carry no mass
                 rows[live[n]].out.probs.append(SparseQ([row_ids[j] for j in keep], [row_q[j] for j in keep]))

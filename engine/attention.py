@@ -16,11 +16,14 @@ BatchLayout and the same cache layout, so tests of one hold the other to the sam
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ class AttentionBackend(Protocol):
         """Per-forward precomputation shared by every layer."""
         ...
 
+    def plan_uniform(self, starts: torch.Tensor, block_tables: torch.Tensor, block_size: int, q_len: int) -> object:
+        """The plan of B sequences with q_len queries each, from device tensors only (no host
+        sync, fixed shapes): what a CUDA graph captures. Query i of sequence b sits at position
+        starts[b] + i; keys are read through block_tables [B, W] up to W * block_size positions."""
+        ...
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
         """q: [T, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim] -> [T, heads, head_dim]."""
         ...
@@ -56,6 +65,7 @@ class _TorchPlan:
     query_valid: torch.Tensor  # [B, Qmax] bool
     key_slots: torch.Tensor  # [B, Kmax] flat slot of each key position (padding -> slot 0)
     mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
+    uniform: bool = False  # every row has Qmax valid queries, in flat order: reshape, no boolean index
 
 
 class TorchBackend:
@@ -102,6 +112,20 @@ class TorchBackend:
             mask &= j[None, None, :] > q_pos[:, :, None] - self.sliding_window
         return _TorchPlan(query_index, query_valid, key_slots, mask[:, None])
 
+    def plan_uniform(self, starts: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                     q_len: int) -> list[_TorchPlan]:
+        dev, b = starts.device, starts.shape[0]
+        i = torch.arange(q_len, device=dev)
+        j = torch.arange(block_tables.shape[1] * block_size, device=dev)
+        key_slots = block_tables.long()[:, j // block_size] * block_size + (j % block_size)[None, :]
+        q_pos = starts[:, None] + i[None, :]
+        mask = j[None, None, :] <= q_pos[:, :, None]
+        if self.sliding_window is not None:
+            mask &= j[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        query_index = torch.arange(b * q_len, device=dev).view(b, q_len)
+        valid = torch.ones(b, q_len, dtype=torch.bool, device=dev)
+        return [_TorchPlan(query_index, valid, key_slots, mask[:, None], uniform=True)]
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
         assert isinstance(plan, list)
         kv_heads, head_dim = k_cache.shape[-2:]
@@ -114,7 +138,9 @@ class TorchBackend:
             o = F.scaled_dot_product_attention(
                 qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=g.mask, scale=self.scale, enable_gqa=True,
-            ).transpose(1, 2)[g.query_valid]  # row-major (b, i): the group's tokens in flat order
+            ).transpose(1, 2)
+            # row-major (b, i): the group's tokens in flat order
+            o = o.reshape(-1, *o.shape[2:]) if g.uniform else o[g.query_valid]
             if out is None:
                 return o
             out[g.query_index[g.query_valid]] = o
@@ -157,6 +183,18 @@ class FlashAttnBackend:
             block_table=layout.block_tables.to(dev, torch.int32),
         )
 
+    def plan_uniform(self, starts: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                     q_len: int) -> _FlashPlan:
+        dev, b = starts.device, starts.shape[0]
+        klens = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), (starts + q_len).to(torch.int32)])
+        return _FlashPlan(
+            cu_seqlens_q=torch.arange(0, (b + 1) * q_len, q_len, dtype=torch.int32, device=dev),
+            cu_seqlens_k=torch.cumsum(klens, 0, dtype=torch.int32),
+            max_seqlen_q=q_len,
+            max_seqlen_k=block_tables.shape[1] * block_size,
+            block_table=block_tables,
+        )
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
         assert isinstance(plan, _FlashPlan)
         # causal with q shorter than k aligns to the bottom-right: query i sees keys <= ctx - q_len + i.
@@ -176,9 +214,31 @@ def flash_attn_available() -> bool:
     return True
 
 
-def select_backend(choice: str, device: torch.device, scale: float,
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def uses_flash(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether select_backend picks flash-attn; ValueError for an explicit choice it cannot run.
+
+    auto: flash-attn on CUDA when it imports and the dtype is fp16/bf16 (its kernels have no fp32)."""
+    if choice == "flash":
+        if device.type != "cuda":
+            raise ValueError(f"--attention-backend flash needs a CUDA device, got {device}")
+        if dtype not in FLASH_DTYPES:
+            raise ValueError(f"--attention-backend flash runs float16 or bfloat16 only, got {dtype}: "
+                             "use --dtype bfloat16, or --attention-backend torch for float32")
+        return True
+    if choice != "auto" or device.type != "cuda" or not flash_attn_available():
+        return False
+    if dtype not in FLASH_DTYPES:
+        log.info("attention: PyTorch SDPA, not flash-attn: flash-attn has no %s kernels", dtype)
+        return False
+    return True
+
+
+def select_backend(choice: str, device: torch.device, dtype: torch.dtype, scale: float,
                    sliding_window: int | None) -> AttentionBackend:
-    """auto: flash-attn on CUDA when it imports, else PyTorch SDPA."""
-    if choice == "flash" or (choice == "auto" and device.type == "cuda" and flash_attn_available()):
+    """auto: flash-attn on CUDA when it imports and the dtype allows, else PyTorch SDPA."""
+    if uses_flash(choice, device, dtype):
         return FlashAttnBackend(scale, sliding_window)
     return TorchBackend(scale, sliding_window)

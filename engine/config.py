@@ -132,6 +132,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
     max_batch_tokens: int = 2048
     attention_backend: str = "auto"  # auto | torch | flash
+    enforce_eager: bool = False  # True: no CUDA graphs
+    cuda_graph_max_batch: int = 64  # sequences in the largest captured decode/verify batch
+    cuda_graph_max_query: int = 9  # tokens per sequence in it: k_max + 1
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -142,6 +145,13 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or flash, got {self.attention_backend!r}")
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
+        if self.cuda_graph_max_batch < 1 or self.cuda_graph_max_query < 1:
+            raise ValueError("cuda_graph_max_batch and cuda_graph_max_query must be >= 1")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """CUDA graphs for decode/verify steps: on CUDA unless enforce_eager."""
+        return not self.enforce_eager and self.resolved_device().type == "cuda"
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

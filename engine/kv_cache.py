@@ -156,7 +156,8 @@ class BlockManager:
 
 class PagedKVCache:
     """The K and V tensors, laid out as flash-attn's paged kernels expect:
-    [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+    [num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim]. The extra last block belongs
+    to no sequence: padding tokens of a CUDA graph's fixed-shape batch write their K/V there."""
 
     def __init__(
         self,
@@ -168,7 +169,8 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

@@ -2,7 +2,8 @@
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are fused
 into one matmul each (fewer kernel launches; on CPU per-call overhead is what decode pays for).
-See weights.py for the mapping.
+See weights.py for the mapping. With tensor parallelism (engine/parallel.py) each rank builds
+its share of the heads and MLP features; with one rank the layers are plain nn.Linear ones.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from engine.attention import AttentionBackend, BatchLayout
 from engine.config import ModelConfig, RopeConfig
 from engine.kv_cache import PagedKVCache
+from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -24,11 +26,11 @@ class ForwardContext:
 
     positions: torch.Tensor  # [T] position of each flat token
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    layout: BatchLayout
+    layout: BatchLayout | None  # None in a CUDA graph's uniform batch (engine/cuda_graphs.py)
     backend: AttentionBackend
     plan: object  # backend.plan(layout)
     kv_cache: PagedKVCache
-    logits_indices: torch.Tensor  # [N] flat tokens whose logits are returned
+    logits_indices: torch.Tensor | None  # [N] flat tokens whose logits are returned (forward() only)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -88,14 +90,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -109,11 +112,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = cfg.intermediate_size // tp.size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = RowParallelLinear(self.intermediate, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -121,12 +124,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, ctx)
@@ -134,10 +137,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
@@ -159,10 +162,11 @@ class ReducedHead(nn.Linear):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions)
+        self.tp = tp
+        self.model = DecoderModel(cfg, max_positions, tp)
         if cfg.head_vocab_size is None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
@@ -176,8 +180,16 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] (float32) for ctx.logits_indices only."""
+        assert ctx.logits_indices is not None
+        return self.logits(self.hidden_states(input_ids, ctx), ctx.logits_indices)
+
+    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Every layer (each writes its K/V to the cache): [T, hidden], before the final norm.
+        All a tensor-parallel follower runs: only the leader needs logits."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, self.model.rotary, ctx)
-        x = self.model.norm(x[ctx.logits_indices])
-        return self.lm_head(x).float()
+        return x
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden[logits_indices])).float()

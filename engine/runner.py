@@ -16,13 +16,16 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import BatchLayout, select_backend
+from engine.attention import BatchLayout, select_backend, uses_flash
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import GraphRunner
 from engine.kv_cache import BlockManager, PagedKVCache
 from engine.model import CausalLM, ForwardContext
+from engine.parallel import SINGLE, TensorParallel, check_shardable
 from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
+_SDPA_GRAPH_MAX_LEN = 4096  # beyond this, graphs over the SDPA fallback cost more memory than they save time
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,19 @@ class SeqInput:
     start_pos: int
     tokens: Sequence[int]
     num_logits: int = 1  # logits for the last num_logits tokens (0: none, a non-final prompt chunk)
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """One forward's inputs, flattened, as host lists: what a tensor-parallel leader sends its followers."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]
+    logits_indices: list[int]  # [N]
+    block_tables: list[list[int]]  # [B][W], padded with 0
+    start_positions: list[int]  # [B]
+    query_lens: list[int]  # [B]
 
 
 class CacheMiss(LookupError):
@@ -52,6 +68,7 @@ class InvalidInput(ValueError):
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, model_dir: Path | None = None) -> None:
         self.model = model
+        self.tp: TensorParallel = model.tp
         self.config = config
         self.model_config: ModelConfig = model.config
         self.model_dir = model_dir
@@ -61,30 +78,51 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.kv_cache = PagedKVCache(mc.num_layers, config.num_blocks, config.block_size,
-                                     mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.backend = select_backend(config.attention_backend, self.device, mc.head_dim**-0.5, mc.sliding_window)
+                                     mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype, mc.head_dim**-0.5,
+                                      mc.sliding_window)
         self.forward_calls = 0  # counted so tests can prove batching (k forwards, not n * k)
+        self.graphs: GraphRunner | None = None  # CUDA graphs for decode/verify steps (use_graphs)
+
+    def use_graphs(self, capture: bool = True) -> None:
+        """Run decode/verify steps through fixed-shape graphs; capture=False runs the same padded
+        forward eagerly (CPU tests of the layout, graphs-vs-eager comparisons)."""
+        cfg = self.config
+        self.graphs = GraphRunner(self, min(cfg.cuda_graph_max_batch, cfg.max_batch_tokens),
+                                  cfg.cuda_graph_max_query, capture)
+        if capture:
+            self.graphs.capture_all()
 
     @classmethod
-    def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> ModelRunner:
+    def load(cls, model_dir: str | Path, config: EngineConfig | None = None,
+             tp: TensorParallel = SINGLE) -> ModelRunner:
         config = config or EngineConfig()
         model_dir = Path(model_dir)
         mc = ModelConfig.from_dir(model_dir)
+        check_shardable(mc, tp.size)
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings and mc.rope.rope_type == "default":
             raise ValueError(f"max_model_len {max_len} exceeds the checkpoint's {mc.max_position_embeddings}")
         t0 = time.perf_counter()
         device, dtype = config.resolved_device(), config.resolved_dtype()
+        uses_flash(config.attention_backend, device, dtype)  # refuse flash + fp32 before loading anything
         with torch.device("meta"):
-            model = CausalLM(mc, max_len)
+            model = CausalLM(mc, max_len, tp)
         model = model.to_empty(device=device).to(dtype)
         model.tie_weights()
         load_weights(model, model_dir)
         model.model.rotary.build(device)  # float32 tables: not weights, so not in the checkpoint
         model.eval()
-        log.info("loaded %s (%s, %.1fM params) on %s/%s in %.1fs", model_dir.name, mc.architecture,
-                 sum(p.numel() for p in model.parameters()) / 1e6, device, dtype, time.perf_counter() - t0)
-        return cls(model, config, model_dir)
+        runner = cls(model, config, model_dir)
+        if config.cuda_graphs and (runner.backend.name == "flash-attn" or runner.max_model_len <= _SDPA_GRAPH_MAX_LEN):
+            runner.use_graphs()
+        elif config.cuda_graphs:
+            log.info("CUDA graphs off: the SDPA fallback would gather all %d key positions per sequence in every "
+                     "graph (flash-attn reads the cache in place)", runner.max_model_len)
+        log.info("loaded %s (%s, %.1fM params%s) on %s/%s in %.1fs", model_dir.name, mc.architecture,
+                 sum(p.numel() for p in model.parameters()) / 1e6,
+                 f" on rank {tp.rank} of {tp.size}" if tp.size > 1 else "", device, dtype, time.perf_counter() - t0)
+        return runner
 
     # ---- state -------------------------------------------------------------------------
     def cached_len(self, seq_id: int) -> int:
@@ -140,6 +178,13 @@ class ModelRunner:
     def forward(self, inputs: Sequence[SeqInput]) -> list[torch.Tensor]:
         """Logits [num_logits, vocab] (float32) per input, in order."""
         self.validate(inputs)
+        batch = self.prepare(inputs)
+        self.tp.send(batch)
+        logits = self.execute(batch)
+        return list(logits.split([x.num_logits for x in inputs]))
+
+    def prepare(self, inputs: Sequence[SeqInput]) -> FlatBatch:
+        """Trim and grow each sequence's blocks (validated already) and flatten the batch."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -153,23 +198,43 @@ class ModelRunner:
             logits_indices.extend(range(offset + len(x.tokens) - x.num_logits, offset + len(x.tokens)))
         tables = [self.blocks.block_table(x.seq_id) for x in inputs]
         width = max(len(t) for t in tables)
+        return FlatBatch(ids, positions, slots, logits_indices, [t + [0] * (width - len(t)) for t in tables],
+                         [x.start_pos for x in inputs], [len(x.tokens) for x in inputs])
+
+    def execute(self, batch: FlatBatch) -> torch.Tensor:
+        """Run the model over a flattened batch: logits on the leader, an empty tensor on followers."""
+        if self.graphs is not None and (shape := self.graphs.shape_for(batch)) is not None:
+            self.forward_calls += 1
+            return self.graphs.run(batch, shape)
         dev = self.device
-        layout = BatchLayout(
-            start_positions=[x.start_pos for x in inputs],
-            query_lens=[len(x.tokens) for x in inputs],
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            block_size=self.config.block_size,
-            device=dev,
-        )
+        layout = BatchLayout(batch.start_positions, batch.query_lens,
+                             torch.tensor(batch.block_tables, dtype=torch.int32, device=dev),
+                             self.config.block_size, dev)
         ctx = ForwardContext(
-            positions=torch.tensor(positions, device=dev),
-            slot_mapping=torch.tensor(slots, device=dev),
+            positions=torch.tensor(batch.positions, device=dev),
+            slot_mapping=torch.tensor(batch.slot_mapping, device=dev),
             layout=layout,
             backend=self.backend,
             plan=self.backend.plan(layout),
             kv_cache=self.kv_cache,
-            logits_indices=torch.tensor(logits_indices, device=dev, dtype=torch.long),
+            logits_indices=torch.tensor(batch.logits_indices, device=dev, dtype=torch.long),
         )
         self.forward_calls += 1
-        logits = self.model(torch.tensor(ids, device=dev), ctx)
-        return list(logits.split([x.num_logits for x in inputs]))
+        hidden = self.model.hidden_states(torch.tensor(batch.input_ids, device=dev), ctx)
+        if not self.tp.leader:
+            return hidden[:0]
+        return self.model.logits(hidden, ctx.logits_indices)
+
+    @torch.inference_mode()
+    def follow(self) -> int:
+        """A tensor-parallel follower's life: run every batch the leader broadcasts, in lockstep,
+        until it broadcasts the stop. Returns the number of forwards run."""
+        assert not self.tp.leader
+        while isinstance(batch := self.tp.receive(), FlatBatch):
+            self.execute(batch)
+        return self.forward_calls
+
+    def stop_followers(self) -> None:
+        """The leader tells its followers to return from follow()."""
+        if self.tp.leader:
+            self.tp.send(None)

@@ -1,22 +1,29 @@
-"""Token selection next to the logits, vectorised over the batch.
+"""Token selection next to the logits, vectorised over the batch, on whatever device the logits are.
 
 Both services apply the same filters (temperature, top-k, top-p), so the draft's q and the
 target's p are both distributions *after* filtering, as lossless rejection sampling requires.
-Randomness is drawn from per-row generators seeded by (request seed, position, stream): a
-seeded request gets the same tokens whatever else shares its batch.
+A row's filters touch that row only: a request's distribution never depends on its neighbours.
+
+Randomness is counter-based: every draw is one uniform that is a pure function of (request seed,
+position, stream), computed on the host with a hash and shipped to the device with the batch's
+other uniforms in one tensor. There is no torch.Generator to keep on the right device, a seeded
+request gets the same tokens whatever shares its batch, and the same tokens on any device (up to
+the rounding of one cumulative sum: a tie within 1e-16 of a bucket edge).
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from common.sampling import validate_sampling  # noqa: F401 - re-exported for the services
 
-_UNSEEDED = torch.Generator()
-_UNSEEDED.seed()
+_UNSEEDED = random.Random()  # seeded from os.urandom: unseeded requests differ run to run
+_TWO_POW_53 = float(2**53)
 
 
 @dataclass(frozen=True)
@@ -30,56 +37,74 @@ class SamplingSpec:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
 
-def row_generator(seed: int | None, position: int, stream: int) -> torch.Generator:
-    """A generator for one random draw: stream tells apart draws made at the same position
-    (the draft's sample, the acceptance test, the recovery sample)."""
+
+def draw_uniform(seed: int | None, position: int, stream: int) -> float:
+    """The uniform in [0, 1) of one random draw: stream tells apart draws made at the same position
+    (the draft's sample, the acceptance test, the recovery sample). 53 bits, exact in float64."""
     if seed is None:
-        return _UNSEEDED
+        return _UNSEEDED.random()
     digest = hashlib.blake2b(f"{seed}:{position}:{stream}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return (int.from_bytes(digest, "little") >> 11) / _TWO_POW_53
 
 
-def filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+def uniforms(draws: Sequence[tuple[int | None, int, int]], device: torch.device | str) -> torch.Tensor:
+    """[N] float64 on `device`, one per (seed, position, stream): one host-to-device copy."""
+    return torch.tensor([draw_uniform(*d) for d in draws], dtype=torch.float64, device=device)
+
+
+def filtered_probs(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
     """Softmax(logits / T) restricted to each row's top-k and top-p set, renormalised. [N, V] float32.
 
     Greedy rows (T = 0) come back one-hot on the argmax, which is the distribution greedy
     decoding samples from."""
     assert logits.shape[0] == len(specs)
+    dev = logits.device
     logits = logits.float()
-    temps = torch.tensor([s.temperature or 1.0 for s in specs], device=logits.device)
+    temps = torch.tensor([s.temperature or 1.0 for s in specs], device=dev)
     scaled = logits / temps[:, None]
-    needs_filter = any(s.top_k > 0 or s.top_p < 1.0 for s in specs)
-    if needs_filter:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        ks = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in specs], device=logits.device)
-        rank = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(rank >= ks[:, None], float("-inf"))
-        sorted_probs = sorted_logits.softmax(-1)
-        ps = torch.tensor([s.top_p if s.top_p > 0 else 1.0 for s in specs], device=logits.device)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(before >= ps[:, None], float("-inf"))
-        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    rows = [i for i, s in enumerate(specs) if s.filtered]
+    if rows:
+        index = torch.tensor(rows, device=dev)
+        cut = _top_k_top_p(scaled.index_select(0, index), [specs[i] for i in rows])
+        scaled = scaled.index_copy(0, index, cut)
     probs = scaled.softmax(-1)
     greedy = [i for i, s in enumerate(specs) if s.greedy]
     if greedy:
-        rows = torch.tensor(greedy, device=logits.device)
-        probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), logits.shape[-1]).float()
+        index = torch.tensor(greedy, device=dev)
+        one_hot = torch.nn.functional.one_hot(logits.index_select(0, index).argmax(-1), logits.shape[-1])
+        probs = probs.index_copy(0, index, one_hot.float())
     return probs
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of probs, each from its own generator (exponential race: argmax p / E)."""
-    noise = torch.empty_like(probs)
-    for row, gen in enumerate(generators):
-        noise[row].exponential_(generator=gen)
-    return (probs / noise).argmax(-1)
+def _top_k_top_p(scaled: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """-inf outside each row's top-k and top-p set (rows here all asked for a filter)."""
+    dev, vocab = scaled.device, scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ks = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in specs], device=dev)
+    rank = torch.arange(vocab, device=dev)[None, :]
+    sorted_logits = sorted_logits.masked_fill(rank >= ks[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(-1)
+    ps = torch.tensor([s.top_p if s.top_p > 0 else 1.0 for s in specs], device=dev)
+    # drop a token when the mass before it already reaches top_p (the first token always stays)
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill(before >= ps[:, None], float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def uniforms(generators: list[torch.Generator]) -> torch.Tensor:
-    return torch.stack([torch.rand((), generator=g) for g in generators]) if generators else torch.empty(0)
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [N, V] by inverse CDF with that row's uniform u [N] in [0, 1).
+
+    A token with probability 0 is never picked: its bucket of the cumulative sum is empty."""
+    cdf = probs.double().cumsum(-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # u * total can round up to total itself: fall back to the last token with mass
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(picked, last)
 
 
 def truncate_top(probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,10 @@ from grpc_reflection.v1alpha import reflection
 from common.protocol import CACHE_MISS_METADATA, PROTOCOL
 from common.sampling import SamplingParams
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
-from engine.attention import flash_attn_available
+from engine.attention import uses_flash
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
+from engine.parallel import SINGLE, TensorParallel
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import SamplingSpec, validate_sampling
 from tandem.v1 import common_pb2
@@ -53,8 +54,13 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         help="auto = bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash"],
-                        help="auto = flash-attn on CUDA when it imports, else PyTorch SDPA")
+                        help="auto = flash-attn on CUDA with float16/bfloat16 when it imports, else PyTorch SDPA")
     parser.add_argument("--max-draft-tokens", type=int, default=8, help="largest k per sequence per call")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (by default, on CUDA, decode/verify steps replay graphs captured "
+                             "per batch-size bucket at start-up)")
+    parser.add_argument("--cuda-graph-max-batch", type=int, default=64,
+                        help="sequences in the largest captured decode/verify step; larger steps run eagerly")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, how long the step in flight may take to finish")
@@ -64,13 +70,13 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     probe = EngineConfig(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
     device = probe.resolved_device()
-    flash = args.attention_backend == "flash" or (args.attention_backend == "auto" and device.type == "cuda"
-                                                   and flash_attn_available())
+    flash = uses_flash(args.attention_backend, device, probe.resolved_dtype())
     block_size = args.block_size or (256 if flash else 16)  # flash-attn's paged kernels need 256-token pages
     num_blocks = args.num_blocks
     if not num_blocks:
         mc = ModelConfig.from_dir(args.model)
-        per_block = PagedKVCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim,
+        kv_heads = mc.num_kv_heads // getattr(args, "tensor_parallel_size", 1)  # per rank under TP
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, block_size, kv_heads, mc.head_dim,
                                                  probe.resolved_dtype())
         if args.kv_cache_gib:
             num_blocks = max(1, int(args.kv_cache_gib * 2**30 // per_block))
@@ -80,18 +86,29 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             num_blocks = max(whole, int(0.25 * 2**30 // per_block))
     return EngineConfig(num_blocks=num_blocks, block_size=block_size, dtype=args.dtype, device=args.device,
                         max_model_len=args.max_model_len, max_batch_tokens=args.max_batch_tokens,
-                        attention_backend=args.attention_backend)
+                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                        cuda_graph_max_batch=args.cuda_graph_max_batch,
+                        cuda_graph_max_query=max(1, args.max_draft_tokens + 1))
 
 
-def load_runner(args: argparse.Namespace) -> ModelRunner:
+def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return engine_config_from_args(args)
+    except ValueError as e:  # a setting the hardware cannot honour: say which, without a traceback
+        raise SystemExit(f"error: {e}") from None
+
+
+def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
+                config: EngineConfig | None = None) -> ModelRunner:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner = ModelRunner.load(args.model, engine_config_from_args(args))
+    runner = ModelRunner.load(args.model, config or checked_engine_config(args), tp)
     cfg = runner.config
-    log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; backend %s; dtype %s; device %s",
+    log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; backend %s; dtype %s; device %s; %s",
              cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size, runner.max_model_len,
-             runner.backend.name, runner.dtype, runner.device)
+             runner.backend.name, runner.dtype, runner.device,
+             "CUDA graphs" if runner.graphs is not None else "eager")
     return runner
 
 

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory (*.safetensors, sharded or not) into CausalLM."""
+"""Load a Hugging Face checkpoint directory (*.safetensors, sharded or not) into CausalLM.
+With tensor parallelism each rank keeps only its slice of each tensor (engine/parallel.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model import CausalLM
+from engine.parallel import shard_for_rank
 
 # HF name fragment -> (our fused parameter, shard index within it)
 _FUSED = {
@@ -43,10 +45,11 @@ def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _shard_sizes(model: CausalLM, fused_name: str) -> list[int]:
-    cfg = model.config
+    """Rows of each part of a fused parameter on this rank."""
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     if "qkv_proj" in fused_name:
-        return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-    return [cfg.intermediate_size, cfg.intermediate_size]
+        return [attn.q_size, attn.kv_size, attn.kv_size]
+    return [mlp.intermediate, mlp.intermediate]
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
@@ -68,6 +71,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {model.config.architecture} model")
         param = params[target]
+        tensor = shard_for_rank(name, tensor, model.tp)
         dest = param.data
         if shard is not None:
             sizes = _shard_sizes(model, target)

@@ -112,6 +112,7 @@ class Sequence:
     # Proposals prepared for coming steps (router.speculation): the one continuing the history wins.
     prepared: list[Prepared] = field(default_factory=list)
     cache_epoch: int = 0  # bumped whenever the caches are dropped: late draft results for an old epoch are void
+    outcome_start: int = -1  # history length before the last verification: its branches start there
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     next_k: int = 0  # desired k for this sequence's next proposal
     num_preemptions: int = 0

@@ -50,6 +50,7 @@ class StepLoop:
         self.steps = 0
         self._pending_release: list[int] = []
         self._matched: dict[int, Proposal] = {}
+        self._late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
 
     # ---- speculation policy ------------------------------------------------------------------
     def spec_cap(self, seq: Sequence) -> int:
@@ -84,7 +85,10 @@ class StepLoop:
         ks = []
         for seq, k in zip(decoders, caps, strict=True):
             seq.next_k = k
+            prepared_for_it = any(p.start == seq.outcome_start for p in seq.prepared)
             drafts, probs = self._matched[seq.seq_id] = self._proposal(seq)
+            if not drafts and not prepared_for_it:
+                self._late.add(seq.seq_id)
             ks.append(min(k, len(drafts)))
         return ks
 
@@ -110,6 +114,7 @@ class StepLoop:
             await self.release_now(ids)
         draft_ms = 0.0 if self.config.pipeline else await self._sequential_proposals()
         self._matched.clear()
+        self._late.clear()
         plan = self.scheduler.schedule(self._choose_ks, self._decode_ready)
         if plan.preempted:
             for seq in plan.preempted:
@@ -269,7 +274,7 @@ class StepLoop:
 
     def _observe_outcome(self, seq: Sequence, v: int, accepted: int, token: int) -> None:
         """Which prepared branch (if any) this verification's outcome matched: the rank statistics."""
-        n = len(seq.tokens)
+        n = seq.outcome_start = len(seq.tokens)
         ranks = {p.rank: p.prefix[-1] for p in seq.prepared if p.start == n and p.rank and p.accepted == accepted}
         if ranks:
             hit = next((r for r, t in ranks.items() if t == token), None)
@@ -291,6 +296,9 @@ class StepLoop:
                     self.metrics.pipeline_lookups.inc()
                     if self._matched.get(seq.seq_id, ([], []))[0]:
                         self.metrics.pipeline_hits.inc()
+                    else:
+                        self.metrics.pipeline_misses.labels(reason="late" if seq.seq_id in self._late
+                                                            else "wrong").inc()
 
     def _reject(self, plan: StepPlan, err: Rejected) -> None:
         """The target refused the step: a capacity mismatch preempts, a bad entry fails its request."""

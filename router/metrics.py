@@ -41,9 +41,13 @@ class Metrics:
         self.emitted_per_step = Histogram("tandem:spec_decode_emitted_tokens_per_step",
                                           "Tokens a decoding sequence emits per step", registry=r,
                                           buckets=tuple(range(1, k_max + 3)))
+        self.pipeline_misses = Counter("tandem:pipeline_misses", "Decodes that wanted a proposal and had none: "
+                                       "late = the draft had prepared nothing for this outcome yet, wrong = "
+                                       "it had, and no prepared branch matched", ["reason"], registry=r)
         self.pipeline_lookups = Counter("tandem:pipeline_lookups", "Verifications whose next proposal was "
                                         "drafted during the step", registry=r)
-        self.pipeline_hits = Counter("tandem:pipeline_hits", "...of which the optimistic proposal held", registry=r)
+        self.pipeline_hits = Counter("tandem:pipeline_hits", "...of which a prepared proposal continued the "
+                                     "history", registry=r)
         self.draft_fallbacks = Counter("tandem:draft_fallbacks", "Steps run at k = 0 because the draft was "
                                        "down, failing or late", ["reason"], registry=r)
         self.draft_up = Gauge("tandem:draft_available", "1 when every configured draft replica is in use",

@@ -7,8 +7,12 @@ import asyncio
 import logging
 
 from common.cli import env_settable
-from engine.service import add_model_args, load_runner, serve
+from engine.config import ModelConfig
+from engine.parallel import SINGLE, check_shardable
+from engine.runner import ModelRunner
+from engine.service import add_model_args, checked_engine_config, load_runner, serve
 from target_service.server import SERVICE_NAME, create_servicer, register
+from target_service.tp_workers import Followers, rank_config
 
 log = logging.getLogger("target_service")
 
@@ -21,14 +25,42 @@ def build_parser(prog: str = "python -m target_service") -> argparse.ArgumentPar
         epilog="example: python -m target_service --model models/demo/target --port 50052 --kv-cache-gib 1",
     )
     add_model_args(parser, default_port=50052)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model over N ranks (N GPUs: cuda:0..N-1 with NCCL; on CPU, gloo). "
+                             "This process is rank 0 and serves gRPC; it starts ranks 1..N-1 itself. "
+                             "Heads, KV heads and intermediate_size must divide by N. --kv-cache-gib is per rank")
     return env_settable(parser)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m target_service") -> int:
-    args = build_parser(prog).parse_args(argv)
-    runner = load_runner(args)  # logs the model, KV capacity, backend, dtype and device
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be >= 1")
+    if args.tensor_parallel_size == 1:
+        runner = load_runner(args)  # logs the model, KV capacity, backend, dtype and device
+        return _serve(args, runner)
+    try:
+        check_shardable(ModelConfig.from_dir(args.model), args.tensor_parallel_size)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = rank_config(checked_engine_config(args), 0)
+    followers = Followers.start(args.tensor_parallel_size, args.model, config, args.threads)
+    runner = None
+    try:
+        runner = load_runner(args, followers.tp, config)
+        followers.exit_if_one_dies()
+        return _serve(args, runner)
+    finally:
+        followers.stop(runner)
+
+
+def _serve(args: argparse.Namespace, runner: ModelRunner) -> int:
     servicer = create_servicer(runner, args.model_id, args.max_draft_tokens)
-    log.info("target %s: max_draft_tokens %d", servicer.worker.model_id, args.max_draft_tokens)
+    tp = runner.tp if runner.tp is not SINGLE else None
+    log.info("target %s: max_draft_tokens %d%s", servicer.worker.model_id, args.max_draft_tokens,
+             f"; tensor parallel over {tp.size} ranks" if tp else "")
     asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
                       args.grace_seconds))
     return 0

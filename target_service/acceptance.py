@@ -18,9 +18,12 @@ The emitted tokens are the accepted prefix plus that one recovered or bonus toke
 p is the target distribution after temperature/top-k/top-p (engine.sampling.filtered_probs);
 q is the draft's sparse distribution, exactly what it sampled from (zero outside its ids).
 
-Randomness: every draw has its own generator, row_generator(seed, position, stream), where
-position is the absolute position of the token being decided and the stream (STREAM_* below)
-says which draw it is. A seeded request thus gets the same tokens whatever shares its batch.
+Randomness: every draw is its own uniform, draw_uniform(seed, position, stream), where position
+is the absolute position of the token being decided and the stream (STREAM_* below) says which
+draw it is. A seeded request thus gets the same tokens whatever shares its batch, on any device.
+
+A step judges all its sampled verifications at once: one filtered_probs, one gather of p(d_i)
+and q(d_i), one sample of every row's fallback token (recovered or bonus), one host copy.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample
+from engine.sampling import SamplingSpec, filtered_probs, sample, uniforms
+from engine.transfer import to_lists
 
 STREAM_DRAFT = 0  # the draft service's own sample of d_i (not drawn here)
 STREAM_ACCEPT = 1  # the uniform of the acceptance test
@@ -81,12 +85,12 @@ class Outcome:
 
 def accept(logits: Sequence[torch.Tensor], batch: Sequence[Verification]) -> list[Outcome]:
     """Judge every verification of a step. logits[n] is [k_n + 1, vocab]: raw logits of the
-    positions deciding d_1 .. d_k and the bonus. Sampled rows share one filtered_probs call."""
+    positions deciding d_1 .. d_k and the bonus."""
     assert len(logits) == len(batch)
     outcomes: list[Outcome | None] = [None] * len(batch)
     greedy = [n for n, v in enumerate(batch) if v.spec.greedy]
     if greedy:
-        argmax = torch.cat([logits[n] for n in greedy]).argmax(-1).tolist()
+        [argmax] = to_lists(torch.cat([logits[n] for n in greedy]).argmax(-1))
         offset = 0
         for n in greedy:
             rows = len(batch[n].draft) + 1
@@ -96,18 +100,8 @@ def accept(logits: Sequence[torch.Tensor], batch: Sequence[Verification]) -> lis
     if sampled:
         specs = [batch[n].spec for n in sampled for _ in range(len(batch[n].draft) + 1)]
         probs = filtered_probs(torch.cat([logits[n] for n in sampled]), specs)
-        offset = 0
-        for n in sampled:
-            v = batch[n]
-            rows = len(v.draft) + 1
-            p = probs[offset:offset + rows]
-            offset += rows
-            if v.rule == Rule.TYPICAL:
-                outcomes[n] = typical_accept(p, v.draft, v.spec.seed, v.position, v.typical_epsilon, v.typical_delta)
-            else:
-                assert len(v.draft_dists) == len(v.draft), "strict sampling needs q at every draft position"
-                q = dense_draft_probs(v.draft_dists, len(v.draft), p.shape[-1], p.device)
-                outcomes[n] = strict_accept(p, q, v.draft, v.spec.seed, v.position)
+        for n, out in zip(sampled, judge(probs, [batch[n] for n in sampled]), strict=True):
+            outcomes[n] = out
     return outcomes  # type: ignore[return-value]  # every slot filled above
 
 
@@ -119,44 +113,109 @@ def greedy_accept(argmax: Sequence[int], draft: Sequence[int]) -> Outcome:
     return Outcome(list(draft) + [argmax[len(draft)]], len(draft))
 
 
-def strict_accept(p: torch.Tensor, q: torch.Tensor, draft: Sequence[int], seed: int | None,
-                  position: int) -> Outcome:
-    """Lossless rejection sampling. p: [k + 1, V] target probabilities, q: [k, V] draft's."""
-    k = len(draft)
-    for i, x in enumerate(draft):
-        u = torch.rand((), generator=row_generator(seed, position + i, STREAM_ACCEPT)).item()
+def judge(probs: torch.Tensor, batch: Sequence[Verification]) -> list[Outcome]:
+    """Sampled verifications, vectorised. probs: [sum(k_n + 1), V] target probabilities (filtered),
+    verification n's k_n + 1 rows in order. Every row gets a fallback token: draft rows the
+    recovered sample (strict: from norm(max(0, p - q)); typical: argmax p), last rows the bonus."""
+    dev = probs.device
+    draft_rows: list[int] = []
+    draft_tokens: list[int] = []
+    typical_rows: list[bool] = []
+    accept_draws: list[tuple[int | None, int, int]] = []
+    fallback_draws: list[tuple[int | None, int, int]] = []
+    offset = 0
+    for v in batch:
+        k = len(v.draft)
+        strict = v.rule == Rule.STRICT
+        assert not strict or len(v.draft_dists) == k, "strict sampling needs q at every draft position"
+        for i, d in enumerate(v.draft):
+            draft_rows.append(offset + i)
+            draft_tokens.append(d)
+            typical_rows.append(not strict)
+            accept_draws.append((v.spec.seed, v.position + i, STREAM_ACCEPT))
+            fallback_draws.append((v.spec.seed, v.position + i, STREAM_RECOVER))
+        fallback_draws.append((v.spec.seed, v.position + k, STREAM_BONUS))
+        offset += k + 1
+    q = _dense_q(batch, probs.shape, dev)
+    fallback = _fallback_dists(probs, q, batch)
+    fallback_tokens = sample(fallback, uniforms(fallback_draws, dev))
+    if draft_rows:
+        rows = torch.tensor(draft_rows, device=dev)
+        tokens = torch.tensor(draft_tokens, device=dev)
+        p_x, q_x = probs[rows, tokens], q[rows, tokens]
         # u < p/q written without the division: q(x) = 0 accepts iff p(x) > 0, p(x) = 0 always rejects
-        if u * q[i, x].item() < p[i, x].item():
-            continue
-        residual = (p[i] - q[i]).clamp_min(0.0)
-        mass = residual.sum()
-        dist = residual / mass if mass.item() > _RESIDUAL_FLOOR else p[i]
-        recovered = sample(dist[None], [row_generator(seed, position + i, STREAM_RECOVER)]).item()
-        return Outcome(list(draft[:i]) + [recovered], i)
-    bonus = sample(p[k:k + 1], [row_generator(seed, position + k, STREAM_BONUS)]).item()
-    return Outcome(list(draft) + [bonus], k)
+        ok = uniforms(accept_draws, dev).to(p_x.dtype) * q_x < p_x
+        if any(typical_rows):
+            ok = torch.where(torch.tensor(typical_rows, device=dev), _typical_ok(probs[rows], p_x, batch), ok)
+    else:
+        ok = torch.zeros(0, dtype=torch.bool, device=dev)
+    ok_list, fallback_list = to_lists(ok, fallback_tokens)
+    outcomes = []
+    offset = drafted = 0
+    for v in batch:
+        k = len(v.draft)
+        accepted = next((i for i in range(k) if not ok_list[drafted + i]), k)
+        outcomes.append(Outcome(list(v.draft[:accepted]) + [fallback_list[offset + accepted]], accepted))
+        offset += k + 1
+        drafted += k
+    return outcomes
+
+
+def _dense_q(batch: Sequence[Verification], shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """[rows, V]: each strict draft row's sparse q scattered in; zero elsewhere (bonus, typical rows)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    offset = 0
+    for v in batch:
+        if v.rule == Rule.STRICT:
+            for i, d in enumerate(v.draft_dists):
+                rows.extend([offset + i] * len(d.token_ids))
+                cols.extend(d.token_ids)
+                vals.extend(d.probs)
+        offset += len(v.draft) + 1
+    q = torch.zeros(shape, device=device)
+    if rows:
+        q[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = torch.tensor(vals, device=device)
+    return q
+
+
+def _fallback_dists(probs: torch.Tensor, q: torch.Tensor, batch: Sequence[Verification]) -> torch.Tensor:
+    """Unnormalised distributions (sample() normalises) to draw each row's fallback token from."""
+    residual = (probs - q).clamp_min(0.0)
+    # below the floor p - q is rounding noise (p == q up to float error): sample p itself
+    dist = torch.where(residual.sum(-1, keepdim=True) > _RESIDUAL_FLOOR, residual, probs)
+    typical = [offset + i for offset, v in zip(_offsets(batch), batch, strict=True) if v.rule == Rule.TYPICAL
+               for i in range(len(v.draft))]
+    if typical:
+        index = torch.tensor(typical, device=probs.device)
+        argmax = probs.index_select(0, index).argmax(-1)
+        dist = dist.index_copy(0, index, torch.nn.functional.one_hot(argmax, probs.shape[-1]).to(dist.dtype))
+    return dist
+
+
+def _typical_ok(p: torch.Tensor, p_x: torch.Tensor, batch: Sequence[Verification]) -> torch.Tensor:
+    """p(d_i) > min(eps, delta * exp(-H(p_i))) for each draft row (p: those rows only)."""
+    eps = [v.typical_epsilon for v in batch for _ in v.draft]
+    delta = [v.typical_delta for v in batch for _ in v.draft]
+    entropy = torch.special.entr(p).sum(-1)  # entr(0) = 0
+    threshold = torch.minimum(torch.tensor(eps, device=p.device),
+                              torch.tensor(delta, device=p.device) * torch.exp(-entropy))
+    return p_x > threshold
+
+
+def _offsets(batch: Sequence[Verification]) -> list[int]:
+    out, offset = [], 0
+    for v in batch:
+        out.append(offset)
+        offset += len(v.draft) + 1
+    return out
 
 
 def typical_accept(p: torch.Tensor, draft: Sequence[int], seed: int | None, position: int,
                    epsilon: float = DEFAULT_TYPICAL_EPSILON, delta: float = DEFAULT_TYPICAL_DELTA) -> Outcome:
-    """Typical acceptance (lossy). p: [k + 1, V] target probabilities."""
-    k = len(draft)
-    if k:
-        entropy = torch.special.entr(p[:k]).sum(-1)  # entr(0) = 0
-        threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
-        ok = (p[:k].gather(-1, torch.tensor(list(draft), device=p.device)[:, None]).squeeze(-1) > threshold).tolist()
-        for i, passed in enumerate(ok):
-            if not passed:
-                return Outcome(list(draft[:i]) + [int(p[i].argmax().item())], i)
-    bonus = sample(p[k:k + 1], [row_generator(seed, position + k, STREAM_BONUS)]).item()
-    return Outcome(list(draft) + [bonus], k)
-
-
-def dense_draft_probs(dists: Sequence[SparseDist], k: int, vocab: int,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
-    """[k, vocab] with each position's sparse q scattered in, zero elsewhere."""
-    q = torch.zeros(k, vocab, device=device)
-    for i, d in enumerate(dists):
-        if len(d.token_ids):
-            q[i, torch.tensor(list(d.token_ids), device=device)] = torch.tensor(list(d.probs), device=device)
-    return q
+    """Typical acceptance (lossy) of one verification. p: [k + 1, V] target probabilities."""
+    spec = SamplingSpec(temperature=1.0, seed=seed)
+    [out] = judge(p, [Verification(draft, spec, position, rule=Rule.TYPICAL, typical_epsilon=epsilon,
+                                   typical_delta=delta)])
+    return out

@@ -18,6 +18,7 @@ from common.protocol import MAX_LOGPROBS
 from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.sampling import logprobs_of
 from engine.service import ModelWorker, call_deadline, rpc_errors, sampling_spec, still_wanted
+from engine.transfer import to_lists
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.acceptance import (
     DEFAULT_TYPICAL_DELTA,
@@ -94,7 +95,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         tokens = torch.tensor([t for _, toks in wanted for t in toks], device=rows.device)
         top_n = max(entries[n].logprobs for n, _ in wanted)
         chosen, top_ids, top_lp = logprobs_of(rows, tokens, top_n)
-        chosen_l, ids_l, lp_l = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+        chosen_l, ids_l, lp_l = to_lists(chosen, top_ids, top_lp)
         row = 0
         for n, toks in wanted:
             m = entries[n].logprobs

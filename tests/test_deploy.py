@@ -28,7 +28,9 @@ DEPLOY = ROOT / "deploy"
 KUBECTL = shutil.which("kubectl")
 K8S_VERSION = "1.37"  # schema version for kubernetes-validate (strict)
 NAMESPACE = "tandem"
-IMAGE = "ghcr.io/tandem-serving/tandem:0.1.0"
+IMAGE = "ghcr.io/tandem-serving/tandem:0.1.0"  # Dockerfile (CPU)
+CUDA_IMAGE = "ghcr.io/tandem-serving/tandem:0.1.0-cuda12.6"  # Dockerfile.cuda
+IMAGES = {"deploy": CUDA_IMAGE, "gpu": CUDA_IMAGE, "base": IMAGE, "cpu": IMAGE}
 UID = 10001
 COMPONENTS = ("router", "draft", "target")
 MODULES = {"router": "router", "target_service": "target", "draft_service": "draft"}
@@ -363,7 +365,7 @@ def test_container_args_parse_with_the_real_clis(rendered):
 
 
 def test_security_resources_and_volumes(rendered):
-    _, objs = rendered
+    name, objs = rendered
     pods = [(f"Deployment/{d['metadata']['name']}", pod_spec(d)) for d in of_kind(objs, "Deployment")]
     for where, spec in pods:
         psc = spec.get("securityContext", {})
@@ -376,7 +378,7 @@ def test_security_resources_and_volumes(rendered):
             assert len(sources) == 1, f"{where}: volume {v['name']} has sources {sources}"
         for c in all_containers(spec):
             cw = f"{where} container {c['name']}"
-            assert c.get("image") == IMAGE, f"{cw}: image {c.get('image')}"
+            assert c.get("image") == IMAGES[name], f"{cw}: image {c.get('image')}"
             sc = c.get("securityContext", {})
             assert sc.get("allowPrivilegeEscalation") is False, f"{cw}: allowPrivilegeEscalation must be false"
             assert sc.get("readOnlyRootFilesystem") is True, f"{cw}: readOnlyRootFilesystem must be true"
@@ -507,9 +509,9 @@ def test_overlay_specifics(rendered):
 
 
 # ---- the image -------------------------------------------------------------------------------------
-def _stages() -> list[list[str]]:
+def _stages(dockerfile: str = "Dockerfile") -> list[list[str]]:
     """Dockerfile instructions (continuations joined, comments dropped), split by FROM."""
-    text = (ROOT / "Dockerfile").read_text()
+    text = (ROOT / dockerfile).read_text()
     lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
     instructions = [i.strip() for i in re.sub(r"\\\n", " ", "\n".join(lines)).splitlines() if i.strip()]
     stages: list[list[str]] = []
@@ -535,15 +537,40 @@ def test_dockerfile_is_multi_stage_non_root_and_builds_from_pyproject():
     assert users and users[-1].split(":")[0] == str(UID), "runtime stage must end as USER 10001 (numeric)"
     copied = " ".join(ins for ins in runtime if ins.upper().startswith("COPY "))
     assert "/opt/venv" in copied
-    for module in MODULES:
+    for module in [*MODULES, "common"]:
         assert f"/app/{module}" in copied, f"runtime stage lacks {module}"
+
+
+def test_cuda_dockerfile_pins_torch_flash_attn_and_base_to_one_cuda():
+    """Dockerfile.cuda: multi-stage, non-root, dependencies from pyproject.toml, and the CUDA version
+    of the torch index, the flash-attn wheel and the runtime base image agree (12.6), with a wheel
+    built for this torch (2.13) and this Python (cp311)."""
+    stages = _stages("Dockerfile.cuda")
+    assert len(stages) >= 2
+    builder, runtime = "\n".join(stages[0]), stages[-1]
+    assert "pyproject.toml" in builder and "tomllib" in builder
+    torch_pin = re.search(r'"torch==([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    text = (ROOT / "Dockerfile.cuda").read_text()
+    index = re.search(r"TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu(\d+)", text).group(1)
+    wheel = re.search(r"FLASH_ATTN_WHEEL=(\S+)", text).group(1)
+    base = re.search(r"CUDA_IMAGE=nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-", text)
+    m = re.search(r"/flash_attn-([0-9.]+)\+cu(\d+)torch(\d+\.\d+)-cp311-cp311-linux_x86_64\.whl$", wheel)
+    assert m and wheel.startswith("https://") and "/releases/download/" in wheel, f"not a pinned release wheel: {wheel}"
+    assert m.group(2) == index == base.group(1) + base.group(2), (m.group(2), index, base.groups())
+    assert torch_pin.startswith(m.group(3) + "."), f"flash-attn built for torch {m.group(3)}, pinned {torch_pin}"
+    assert runtime[0].split()[1] == "${CUDA_IMAGE}", "the runtime stage runs on the CUDA base"
+    users = [ins.split()[1] for ins in runtime if ins.upper().startswith("USER ")]
+    assert users and users[-1].split(":")[0] == str(UID)
+    copied = " ".join(ins for ins in runtime if ins.upper().startswith("COPY "))
+    for module in [*MODULES, "common", "/opt/venv", "/opt/python"]:
+        assert module in copied, f"runtime stage lacks {module}"
 
 
 def test_dockerfile_copies_exist_and_are_not_dockerignored():
     ignored = {ln.strip().strip("/") for ln in (ROOT / ".dockerignore").read_text().splitlines()
                if ln.strip() and not ln.startswith("#")}
     assert {".venv", "models", ".git"} <= ignored
-    for stage in _stages():
+    for stage in _stages() + _stages("Dockerfile.cuda"):
         for ins in stage:
             words = ins.split()
             if words[0].upper() != "COPY" or any(w.startswith("--from") for w in words):

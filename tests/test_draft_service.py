@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 
 from draft_service import SERVICE_NAME, create_servicer, register
 from engine import EngineConfig, ModelRunner
-from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample, truncate_top
+from engine.sampling import SamplingSpec, filtered_probs, sample, truncate_top, uniforms
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.conftest import SMALL, hf_greedy, hf_logits, write_checkpoint
 from tests.servers import start_server
@@ -138,7 +138,7 @@ def _reference_draw(draft_dir, history: list[int], spec: SamplingSpec) -> tuple[
     """transformers' q after the history, and the token the seeded draw for position len(history) picks."""
     logits = hf_logits(draft_dir, history)[-1:]
     ids, q = truncate_top(filtered_probs(logits, [spec]), TOP_N)
-    pick = sample(q, [row_generator(spec.seed, len(history), 0)])
+    pick = sample(q, uniforms([(spec.seed, len(history), 0)], q.device))
     return {i: p for i, p in zip(ids[0].tolist(), q[0].tolist(), strict=True) if p > 0}, int(ids[0, pick])
 
 
@@ -164,7 +164,7 @@ def test_sampled_tokens_follow_their_shipped_sparse_q(svc, draft_dir):
             # q shipped is the target's filtered distribution at this position, truncated to TOP_N
             ref, ref_tok = _reference_draw(draft_dir, hist, SamplingSpec(temperature=t, top_k=tk, top_p=tp or 1.0,
                                                                          seed=seed))
-            assert tok == ref_tok  # drawn with row_generator(seed, absolute position, stream 0)
+            assert tok == ref_tok  # drawn with draw_uniform(seed, absolute position, stream 0)
             assert sorted(ids) == sorted(ref)
             for i, p in zip(ids, probs, strict=True):
                 assert abs(p - ref[i]) < 1e-4

@@ -60,10 +60,11 @@ def test_draft_identical_to_target_accepts_everything(model_pair):
         assert out["choices"][0]["token_ids"] == hf_greedy(target_dir, p, 40)
         drafted = metric(router.url, "tandem:spec_decode_num_draft_tokens_total")
         assert drafted > 0 and metric(router.url, "tandem:spec_decode_num_accepted_tokens_total") == drafted
-        # the draft prepared each next step while the target verified this one (the first steps may
-        # miss: its first call also mirrors the whole prompt)
+        # the draft prepared each next step while the target verified this one: its favourite guess
+        # is always right, so a step without a proposal only ever waited for a draft still at work
         hits = metric(router.url, "tandem:pipeline_hits_total")
-        assert hits >= metric(router.url, "tandem:pipeline_lookups_total") - 3
+        late = metric(router.url, 'tandem:pipeline_misses_total{reason="late"}')
+        assert hits > 0 and hits + late == metric(router.url, "tandem:pipeline_lookups_total")
     finally:
         router.stop(), target.stop(), draft.stop()
 

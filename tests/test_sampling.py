@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from common.sampling import validate_sampling
-from engine.sampling import SamplingSpec, filtered_probs, row_generator, sample, truncate_top
+from engine.sampling import SamplingSpec, filtered_probs, sample, truncate_top, uniforms
 
 
 def test_greedy_rows_are_one_hot_on_argmax():
@@ -33,17 +33,17 @@ def test_temperature_sharpens():
 
 def test_seeded_draws_repeat_and_streams_differ():
     probs = torch.full((1, 1000), 1e-3)
-    a = sample(probs, [row_generator(42, 7, 0)]).item()
-    assert a == sample(probs, [row_generator(42, 7, 0)]).item()
-    draws = {sample(probs, [row_generator(42, p, 0)]).item() for p in range(20)}
+    a = sample(probs, uniforms([(42, 7, 0)], "cpu")).item()
+    assert a == sample(probs, uniforms([(42, 7, 0)], "cpu")).item()
+    assert a != sample(probs, uniforms([(42, 7, 1)], "cpu")).item()
+    draws = {sample(probs, uniforms([(42, p, 0)], "cpu")).item() for p in range(20)}
     assert len(draws) > 10
 
 
 def test_sample_follows_distribution():
     probs = torch.tensor([[0.7, 0.2, 0.1]])
-    counts = torch.zeros(3)
-    for i in range(4000):
-        counts[sample(probs, [row_generator(1, i, 0)]).item()] += 1
+    picks = sample(probs.expand(4000, 3), uniforms([(1, i, 0) for i in range(4000)], "cpu"))
+    counts = torch.bincount(picks, minlength=3).float()
     assert torch.allclose(counts / 4000, probs[0], atol=0.03)
 
 
@@ -58,3 +58,27 @@ def test_validation_names_fields():
     problems = validate_sampling(-1.0, 1.5, -2, "sampling")
     assert len(problems) == 3 and "sampling.temperature" in problems[0] and "top_p" in problems[1]
     assert validate_sampling(float("nan"), 1.0, 0)
+
+
+def test_filters_apply_only_to_rows_that_asked():
+    """A request's distribution must not depend on its neighbours: an unfiltered row keeps every
+    token's mass, to the last bit, when a top-k or top-p row shares its batch (issue #15: the
+    float32 cumulative sum of a 50k vocabulary reaches 1.0 early and used to cut the tail)."""
+    logits = torch.randn(3, 50_000, generator=torch.Generator().manual_seed(0)) * 3
+    plain, top_k, top_p = SamplingSpec(temperature=1.0), SamplingSpec(temperature=1.0, top_k=40), \
+        SamplingSpec(temperature=0.8, top_p=0.9)
+    alone = filtered_probs(logits[:1], [plain])[0]
+    assert (alone > 0).all()
+    for neighbour in (top_k, top_p):
+        crowded = filtered_probs(logits, [plain, neighbour, SamplingSpec()])
+        assert torch.equal(crowded[0], alone), f"{(crowded[0] == 0).sum()} tokens lost their mass"
+        assert torch.equal(crowded[1], filtered_probs(logits[1:2], [neighbour])[0])
+
+
+def test_zero_probability_tokens_are_never_sampled():
+    """Inverse CDF: a zero-mass token has an empty bucket, even at the extreme uniforms."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(2000, 5)
+    u = torch.cat([uniforms([(3, i, 0) for i in range(1998)], "cpu"),
+                   torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)])
+    picks = sample(probs, u)
+    assert set(picks.tolist()) == {1, 3} and picks[-2] == 1 and picks[-1] == 3
