@@ -39,6 +39,8 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0,
                    help="longest sequence served (0: what the target and both KV caches allow)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue length before 429")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest HTTP request body; a larger one gets 413 as soon as the limit is crossed")
     p.add_argument("--num-speculative-tokens", "--k-max", type=int, default=d.k_max,
                    help="largest speculation length k per sequence per step (0: no speculation)")
     p.add_argument("--no-dynamic-k", action="store_true",
@@ -59,7 +61,8 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, max_waiting=args.max_waiting, k_max=args.num_speculative_tokens,
+        max_model_len=args.max_model_len, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+        k_max=args.num_speculative_tokens,
         dynamic_k=not args.no_dynamic_k, pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
         target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace)
 

@@ -11,6 +11,7 @@ class RouterConfig:
     max_num_seqs: int = 32  # sequences running at once
     max_model_len: int = 0  # longest sequence served; 0: what the target and both KV caches allow
     max_waiting: int = 256  # queued requests beyond which new ones get 429
+    max_body_bytes: int = 2 * 2**20  # HTTP request bodies past this get 413 (as TGI's --payload-limit)
     k_max: int = 4  # largest speculation length per sequence per step
     dynamic_k: bool = True  # choose k per sequence from acceptance and load; else always k_max
     pipeline: bool = True  # draft proposes step t+1 while the target scores step t
@@ -27,8 +28,8 @@ class RouterConfig:
             raise ValueError("max_num_seqs must not exceed max_num_batched_tokens: every decode needs a token")
         if not 0 <= self.k_max <= 16:
             raise ValueError("k_max must be in [0, 16]")
-        if self.max_waiting < 0 or self.max_model_len < 0:
-            raise ValueError("max_waiting and max_model_len must be >= 0")
+        if self.max_waiting < 0 or self.max_model_len < 0 or self.max_body_bytes < 1024:
+            raise ValueError("max_waiting and max_model_len must be >= 0, max_body_bytes >= 1024")
         for name in ("target_timeout_s", "draft_timeout_s", "target_grace_s", "draft_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

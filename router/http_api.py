@@ -26,7 +26,6 @@ from router.openai_types import ChatBody, CompletionBody
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4 * 2**20
 DRAIN_LIMIT_BYTES = 1 << 30  # past this an oversized body is cut off (connection closed) instead of drained
 _PARSE_OFF_LOOP_BYTES = 256 * 2**10
 
@@ -62,7 +61,7 @@ def error_response(err: Exception) -> JSONResponse:
     return JSONResponse(body, status)
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
     too_big = _HTTPError(error(413, f"body larger than {limit} bytes", headers={"Connection": "close"}))
     size = request.headers.get("content-length")
     if size is not None and not size.isdigit():
@@ -119,7 +118,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         return error(400, f"{loc or 'body'}: {first.get('msg')}", loc or None)
 
     async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
-        raw = await read_body(request)
+        raw = await read_body(request, engine.config.max_body_bytes)
         if len(raw) > _PARSE_OFF_LOOP_BYTES:
             body = await asyncio.get_running_loop().run_in_executor(None, parse_json, raw, model)
         else:

@@ -146,6 +146,39 @@ def test_bad_input_battery_gets_4xx_and_server_keeps_serving(stack, client, mode
     test_completions_greedy_equal_transformers(client, model, ref)  # still serving, still correct
 
 
+def _peak_rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status").read().splitlines():  # noqa: SIM115
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_64_mib_body_gets_a_readable_413_and_costs_the_router_no_memory(stack, client, model, ref):
+    """Sent with a Content-Length, or chunked with none: either way the client reads a 413 (not a
+    reset connection), and the router's peak memory grows by far less than the body."""
+    router = getattr(stack, "procs", {}).get("router")
+    before = _peak_rss_bytes(router.pid) if router else 0
+    size = 64 * 2**20
+    piece = b"a" * 2**20
+
+    def chunks():
+        yield b'{"model": "' + model.encode() + b'", "prompt": "'
+        for _ in range(size // len(piece)):
+            yield piece
+        yield b'"}'
+
+    whole = b"".join(chunks())
+    for content in (whole, chunks()):
+        r = httpx.post(f"{stack.url}/v1/completions", content=content, timeout=120,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    del whole
+    if router:
+        grown = _peak_rss_bytes(router.pid) - before
+        assert grown < size // 4, f"the router's peak memory grew by {grown / 2**20:.0f} MiB"
+    test_completions_greedy_equal_transformers(client, model, ref)
+
+
 def _load(client, model, ref, n: int, max_tokens: int) -> list[cf.Future]:
     pool = cf.ThreadPoolExecutor(n)
     futures = []
