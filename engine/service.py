@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,7 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.protocol import CACHE_MISS_METADATA, PROTOCOL
+from common.reload import reload_on_sighup
 from common.sampling import SamplingParams
+from common.tls import Certificates, TLSError, add_tls_args, files_from_args, server_credentials
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from engine.attention import flash_attn_available
 from engine.config import DTYPES, EngineConfig, ModelConfig
@@ -32,7 +35,6 @@ from tandem.v1 import common_pb2
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 FULL_LENGTH_SEQUENCES = 2  # the default KV cache holds this many sequences of max_model_len tokens
-
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -59,6 +61,35 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, how long the step in flight may take to finish")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING")
+    add_tls_args(parser, title="TLS", description="serve over TLS (--tls-cert, --tls-key); with --tls-ca, mutual "
+                 "TLS: only clients with a certificate from that CA get in. Plaintext is then refused. The "
+                 "files are re-read when they change and on SIGHUP.")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
+                             "speak TLS, such as the kubelet's); 0: off")
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How serve() listens: TLS certificates (None: plaintext) and an optional plaintext port that
+    serves the health service only."""
+
+    certs: Certificates | None = None
+    health_port: int = 0
+
+
+_from_cli = Transport()  # set by load_runner from --tls-* and --health-port; serve()'s default
+
+
+def transport_from_args(args: argparse.Namespace) -> Transport:
+    """Checked before the model loads, so unusable certificate files fail in seconds, not minutes."""
+    try:
+        files = files_from_args(args)
+        if files is not None and files.cert is None:
+            raise ValueError("--tls-ca without --tls-cert and --tls-key: a TLS server needs its own certificate")
+        return Transport(Certificates(files) if files else None, args.health_port)
+    except (ValueError, TLSError) as err:
+        raise SystemExit(f"TLS: {err}") from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -84,7 +115,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def load_runner(args: argparse.Namespace) -> ModelRunner:
+    global _from_cli
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _from_cli = transport_from_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     runner = ModelRunner.load(args.model, engine_config_from_args(args))
@@ -184,24 +217,39 @@ async def serve(
     grace_seconds: float,
     stop: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
+    transport: Transport | None = None,
 ) -> None:
     """Run a gRPC server with health and reflection until SIGTERM/SIGINT (or `stop` is set,
-    for in-process use), then refuse new calls, let the one in flight finish and stop."""
+    for in-process use), then refuse new calls, let the one in flight finish and stop.
+    transport: TLS and a health-only port (default: what the command line asked for)."""
+    transport = transport or _from_cli
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if transport.certs is not None:
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(transport.certs))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    probes = None
+    if transport.health_port:
+        probes = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probes)
+        probes.add_insecure_port(f"{host}:{transport.health_port}")
+        await probes.start()
     await server.start()
     for name in ("", service_full_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d", service_full_name, host, bound)
+    mode = "plaintext" if transport.certs is None else "mutual TLS" if transport.certs.pem.ca else "TLS"
+    log.info("serving %s on %s:%d (%s)%s", service_full_name, host, bound, mode,
+             f"; health only on {host}:{transport.health_port}" if probes else "")
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        reload_on_sighup(loop)
     if on_started is not None:
         on_started(bound)
     await stop.wait()
@@ -209,6 +257,8 @@ async def serve(
     log.info("shutting down: not serving new calls, letting the one in flight finish (up to %.0fs)", grace_seconds)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_seconds)
+    if probes is not None:
+        await probes.stop(0)
     log.info("stopped in %.2fs", time.perf_counter() - t0)
 
 
