@@ -54,7 +54,7 @@ bench: $(STUBS) models  ## latency/throughput of every config vs transformers (~
 	$(PY) -m bench $(BENCH_ARGS)
 
 OVERLAY ?= gpu
-deploy:  ## kubectl apply -k deploy/overlays/$(OVERLAY)  (OVERLAY=gpu|cpu)
+deploy:  ## kubectl apply -k deploy/overlays/$(OVERLAY)  (OVERLAY=gpu|cpu|cert-manager)
 	kubectl apply -k deploy/overlays/$(OVERLAY)
 
 IMAGE ?= ghcr.io/tandem-serving/tandem:0.1.0
