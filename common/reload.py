@@ -64,7 +64,13 @@ def reload_all() -> None:
         files.force()
 
 
-def reload_on_sighup(loop) -> None:  # noqa: ANN001 - an asyncio loop
-    """In the main thread only (signal handlers live there); elsewhere a no-op."""
-    if threading.current_thread() is threading.main_thread():
+def reload_on_sighup(loop=None) -> None:  # noqa: ANN001 - an asyncio loop
+    """SIGHUP -> reload_all(), through the event loop when given (else a plain handler, e.g. while
+    a model loads: SIGHUP's default action would end the process). Main thread only (signal
+    handlers live there); elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if loop is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_all)
+    else:
+        signal.signal(signal.SIGHUP, lambda *_: reload_all())

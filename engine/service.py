@@ -118,6 +118,7 @@ def load_runner(args: argparse.Namespace) -> ModelRunner:
     global _from_cli
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _from_cli = transport_from_args(args)
+    reload_on_sighup()  # already while the model loads; serve() hands it to its event loop
     if args.threads:
         torch.set_num_threads(args.threads)
     runner = ModelRunner.load(args.model, engine_config_from_args(args))
