@@ -123,6 +123,22 @@ def test_a_tls_service_refuses_plaintext_and_foreign_certificates(secure, pki, s
     assert health_check(address, no_cert) == grpc.StatusCode.UNAVAILABLE  # TLS, but no client certificate
 
 
+def test_a_tls_service_can_answer_health_alone_in_plaintext_for_probes(pki, model_pair):
+    from router.launch import free_port
+
+    health_port = free_port()
+    target, _ = start_target(model_pair[0], transport=Transport(certs(pki["target"]), health_port=health_port))
+    try:
+        assert health_check(f"127.0.0.1:{health_port}", None) == health_pb2.HealthCheckResponse.SERVING
+        assert health_check(target.address, None) == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as ch:  # health only: no model service there
+            with pytest.raises(grpc.RpcError) as missing:
+                ch.unary_unary("/tandem.v1.TargetService/GetInfo")(b"", timeout=5)
+            assert missing.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        target.stop()
+
+
 def test_a_router_with_a_foreign_certificate_or_ca_cannot_reach_the_services(secure, pki, model_pair):
     target = secure["target"].address
     for files in (pki["foreign"],  # trusts our CA, but its own certificate comes from the foreign CA
