@@ -11,7 +11,6 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,18 +22,19 @@ from grpc_reflection.v1alpha import reflection
 from common.protocol import CACHE_MISS_METADATA, PROTOCOL
 from common.reload import reload_on_sighup
 from common.sampling import SamplingParams
-from common.tls import Certificates, TLSError, add_tls_args, files_from_args, server_credentials
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from engine.attention import flash_attn_available
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import SamplingSpec, validate_sampling
+from engine.transport import Transport, add_transport_args, open_ports, transport_from_args
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 FULL_LENGTH_SEQUENCES = 2  # the default KV cache holds this many sequences of max_model_len tokens
+
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -61,35 +61,10 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, how long the step in flight may take to finish")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING")
-    add_tls_args(parser, title="TLS", description="serve over TLS (--tls-cert, --tls-key); with --tls-ca, mutual "
-                 "TLS: only clients with a certificate from that CA get in. Plaintext is then refused. The "
-                 "files are re-read when they change and on SIGHUP.")
-    parser.add_argument("--health-port", type=int, default=0,
-                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
-                             "speak TLS, such as the kubelet's); 0: off")
-
-
-@dataclass(frozen=True)
-class Transport:
-    """How serve() listens: TLS certificates (None: plaintext) and an optional plaintext port that
-    serves the health service only."""
-
-    certs: Certificates | None = None
-    health_port: int = 0
+    add_transport_args(parser)
 
 
 _from_cli = Transport()  # set by load_runner from --tls-* and --health-port; serve()'s default
-
-
-def transport_from_args(args: argparse.Namespace) -> Transport:
-    """Checked before the model loads, so unusable certificate files fail in seconds, not minutes."""
-    try:
-        files = files_from_args(args)
-        if files is not None and files.cert is None:
-            raise ValueError("--tls-ca without --tls-cert and --tls-key: a TLS server needs its own certificate")
-        return Transport(Certificates(files) if files else None, args.health_port)
-    except (ValueError, TLSError) as err:
-        raise SystemExit(f"TLS: {err}") from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -229,22 +204,11 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    if transport.certs is not None:
-        bound = server.add_secure_port(f"{host}:{port}", server_credentials(transport.certs))
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    probes = None
-    if transport.health_port:
-        probes = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probes)
-        probes.add_insecure_port(f"{host}:{transport.health_port}")
-        await probes.start()
+    bound, probes = await open_ports(server, health_servicer, host, port, transport)
     await server.start()
     for name in ("", service_full_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    mode = "plaintext" if transport.certs is None else "mutual TLS" if transport.certs.pem.ca else "TLS"
-    log.info("serving %s on %s:%d (%s)%s", service_full_name, host, bound, mode,
-             f"; health only on {host}:{transport.health_port}" if probes else "")
+    log.info("serving %s on %s:%d (%s)", service_full_name, host, bound, transport.describe())
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.service import Transport, serve
+from engine.service import serve
+from engine.transport import Transport
 
 
 @dataclass

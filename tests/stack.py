@@ -15,7 +15,7 @@ import httpx
 
 from draft_service import server as draft_server
 from engine import EngineConfig, ModelRunner
-from engine.service import Transport
+from engine.transport import Transport
 from router.config import RouterConfig
 from router.security import RouterSecurity
 from router.server import Endpoints, RouterServer

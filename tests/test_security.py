@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.tls import Certificates, ClientTLS, TLSFiles
-from engine.service import Transport
+from engine.transport import Transport
 from router.auth import ApiKeys
 from router.config import RouterConfig
 from router.core import ServiceUnavailable
