@@ -304,3 +304,16 @@ def test_a_half_written_rotation_keeps_the_current_certificate(secure, pki, capl
     assert "keeping the current ones" in caplog.text
     ca.write(pki["root"] / "target", mismatched)  # the key arrives: now it is taken
     assert served_serial(target.address, pki) == mismatched.serial
+
+
+@pytest.mark.parametrize("service", ["target_service", "draft_service"])
+def test_a_service_with_unusable_tls_files_refuses_to_start_before_loading_its_model(service, pki, tmp_path):
+    import subprocess
+    import sys
+
+    wrong_key = [f"--tls-cert={pki['target'].cert}", f"--tls-key={pki['draft'].key}"]  # not this certificate's key
+    for flags in (wrong_key, [f"--tls-ca={pki['target'].ca}"]):
+        out = subprocess.run([sys.executable, "-m", service, "--model", str(tmp_path / "no-model"), *flags],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "TLS:" in out.stderr, out.stderr[-2000:]
+        assert "config.json" not in out.stderr  # it never got to the model
