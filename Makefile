@@ -57,7 +57,7 @@ gpu-check: $(STUBS)  ## on a CUDA machine: GPU parity, sampling, CUDA graphs, qu
 	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 OVERLAY ?= gpu
-deploy:  ## kubectl apply -k deploy/overlays/$(OVERLAY)  (OVERLAY=gpu|cpu)
+deploy:  ## kubectl apply -k deploy/overlays/$(OVERLAY)  (OVERLAY=gpu|cpu|cert-manager)
 	kubectl apply -k deploy/overlays/$(OVERLAY)
 
 IMAGE ?= ghcr.io/tandem-serving/tandem:0.1.0

@@ -41,7 +41,7 @@ def env_settable(parser: argparse.ArgumentParser, environ: dict[str, str] | None
                 parser.error(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
             action.default = (raw.lower() in _TRUE) == isinstance(action, argparse._StoreTrueAction)
         elif isinstance(action, argparse._AppendAction):
-            action.default = [v for v in raw.split(",") if v]
+            action.default = [action.type(v) if action.type else v for v in raw.split(",") if v]
         else:
             try:
                 action.default = action.type(raw) if action.type else raw
@@ -51,6 +51,17 @@ def env_settable(parser: argparse.ArgumentParser, environ: dict[str, str] | None
                 parser.error(f"{name}={raw!r}: choose from {list(action.choices)}")
         action.required = False
     return parser
+
+
+class Secret(str):
+    """A flag value that is never shown: its str and repr are *** (in --help defaults, argparse
+    messages, logs). The value itself is the str's contents: .encode() and comparisons see them."""
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+    def __str__(self) -> str:
+        return "***"
 
 
 _COMMANDS = {

@@ -8,6 +8,7 @@ import asyncio
 from common.cli import env_settable
 from draft_service.server import SERVICE_NAME, create_servicer, register
 from engine.service import add_model_args, load_runner, serve
+from engine.transport import transport_from_args
 
 DEFAULT_PORT = 50053
 
@@ -34,10 +35,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m draft_service") -
         parser.error("--sparse-top-n must be >= 1")
     if args.max_draft_tokens < 0:
         parser.error("--max-draft-tokens must be >= 0")
+    transport = transport_from_args(args)  # unusable certificate files fail in seconds, not after the load
     runner = load_runner(args)
     servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.sparse_top_n)
     asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
-                      args.grace_seconds))
+                      args.grace_seconds, transport=transport))
     return 0
 
 

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.protocol import CACHE_MISS_METADATA, PROTOCOL
+from common.reload import reload_on_sighup
 from common.sampling import SamplingParams
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from engine.attention import uses_flash
@@ -28,6 +29,7 @@ from engine.kv_cache import KVCacheExhausted, PagedKVCache
 from engine.parallel import SINGLE, TensorParallel
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import SamplingSpec, validate_sampling
+from engine.transport import Transport, add_transport_args, open_ports
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, how long the step in flight may take to finish")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING")
+    add_transport_args(parser)
+
+
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -101,6 +106,7 @@ def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
 def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
                 config: EngineConfig | None = None) -> ModelRunner:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    reload_on_sighup()  # already while the model loads; serve() hands it to its event loop
     if args.threads:
         torch.set_num_threads(args.threads)
     runner = ModelRunner.load(args.model, config or checked_engine_config(args), tp)
@@ -201,24 +207,28 @@ async def serve(
     grace_seconds: float,
     stop: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
+    transport: Transport | None = None,
 ) -> None:
     """Run a gRPC server with health and reflection until SIGTERM/SIGINT (or `stop` is set,
-    for in-process use), then refuse new calls, let the one in flight finish and stop."""
+    for in-process use), then refuse new calls, let the one in flight finish and stop.
+    transport: TLS and a health-only port (default: plaintext, no health-only port)."""
+    transport = transport or Transport()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound, probes = await open_ports(server, health_servicer, host, port, transport)
     await server.start()
     for name in ("", service_full_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d", service_full_name, host, bound)
+    log.info("serving %s on %s:%d (%s)", service_full_name, host, bound, transport.describe())
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        reload_on_sighup(loop)
     if on_started is not None:
         on_started(bound)
     await stop.wait()
@@ -226,6 +236,8 @@ async def serve(
     log.info("shutting down: not serving new calls, letting the one in flight finish (up to %.0fs)", grace_seconds)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_seconds)
+    if probes is not None:
+        await probes.stop(0)
     log.info("stopped in %.2fs", time.perf_counter() - t0)
 
 

@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 from common.cli import env_settable
+from common.tls import TLSError
 from router.config import RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
 from router.engine import IncompatibleTarget
+from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
 
 
@@ -55,6 +57,7 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
                    help="how long requests wait for an unreachable target before 503 (s)")
     p.add_argument("--startup-wait", type=float, default=300.0, help="how long to wait for the target at start (s)")
     p.add_argument("--log-level", default="INFO")
+    add_security_args(p)
     return env_settable(p)
 
 
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
-    except ValueError as err:
+        security = security_from_args(args)
+    except (ValueError, TLSError) as err:
         print(f"invalid configuration: {err}", file=sys.stderr)
         return 2
     if not (Path(args.tokenizer) / "tokenizer.json").is_file():
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
                           model_name=args.served_model_name or Path(args.tokenizer).resolve().name,
                           host=args.host, http_port=args.port, grpc_port=args.grpc_port)
     try:
-        main_sync(config, endpoints, args.startup_wait)
+        main_sync(config, endpoints, args.startup_wait, security)
     except (IncompatibleDraft, IncompatibleTarget, ServiceUnavailable) as err:
         logging.getLogger("router").error("%s", err)
         return 1

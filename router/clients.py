@@ -1,11 +1,17 @@
 """Thin clients of the model services: deadlines on every call, gRPC errors turned into the
-three things the step loop acts on (cache miss, service down, request rejected)."""
+three things the step loop acts on (cache miss, service down, request rejected).
+
+Over TLS, a client whose certificate files change (rotation) opens a new channel for the calls
+that follow and closes the old one once the calls on it are done (grace: the call deadline)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
 from common.protocol import CACHE_MISS_METADATA
+from common.tls import ClientTLS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
@@ -47,22 +53,37 @@ def _translate(err: grpc.aio.AioRpcError) -> Exception:
 
 
 class _Client:
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
+        self._generation = 0  # of the certificates the channel was built with
+        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
 
     @property
     def stub(self):  # noqa: ANN201
         """Created on first use, inside the event loop that will drive it (grpc.aio binds to it)."""
+        if self.tls is not None and self._stub is not None and self.tls.certs.refresh() != self._generation:
+            self._retire()
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.address, options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                       ("grpc.initial_reconnect_backoff_ms", 200),
-                                       ("grpc.max_reconnect_backoff_ms", 2000)])
+            options = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.initial_reconnect_backoff_ms", 200),
+                       ("grpc.max_reconnect_backoff_ms", 2000)]
+            if self.tls is None:
+                self._channel = grpc.aio.insecure_channel(self.address, options=options)
+            else:
+                self._generation = self.tls.certs.refresh()
+                self._channel = grpc.aio.secure_channel(self.address, self.tls.credentials(),
+                                                        options=options + self.tls.options())
             self._stub = self._stub_class(self._channel)
         return self._stub
+
+    def _retire(self) -> None:
+        old, self._channel, self._stub = self._channel, None, None
+        task = asyncio.get_running_loop().create_task(old.close(grace=self.timeout_s))
+        self._retiring[task] = old
+        task.add_done_callback(self._retiring.pop)
 
     async def _call(self, method, request, timeout_s: float | None = None):  # noqa: ANN001, ANN202
         try:
@@ -73,6 +94,9 @@ class _Client:
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
+        for task, channel in list(self._retiring.items()):
+            task.cancel()
+            await channel.close()
 
 
 class TargetClient(_Client):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,8 @@ class RouterConfig:
     draft_timeout_s: float = 5.0  # deadline of one Sync / Propose; past it the step goes on with k = 0
     target_grace_s: float = 30.0  # how long requests wait for a lost target before failing with 503
     draft_retry_s: float = 1.0  # first reconnect backoff for a lost draft (doubles up to 30 s)
+    target_tls: ClientTLS | None = None  # TLS to the target replicas (router.security); None: plaintext
+    draft_tls: ClientTLS | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

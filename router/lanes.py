@@ -107,9 +107,9 @@ async def connect_lane(config: RouterConfig, metrics: Metrics, address: str, dra
                        fingerprint: str) -> Lane:
     """GetInfo on the target (raises ServiceDown), then the draft handshake (IncompatibleDraft
     is raised; an unreachable draft is retried in the background)."""
-    target = TargetClient(address, config.target_timeout_s)
+    target = TargetClient(address, config.target_timeout_s, config.target_tls)
     info = await target.info()
-    draft = DraftLane(DraftClient(draft_address, config.draft_timeout_s) if draft_address else None,
+    draft = DraftLane(DraftClient(draft_address, config.draft_timeout_s, config.draft_tls) if draft_address else None,
                       metrics, config.draft_retry_s)
     await draft.connect(info.tokenizer_fingerprint or fingerprint, info.vocab_size)
     scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cli import env_settable
+from common.tls import TLSFiles
 
 
 def free_port() -> int:
@@ -30,11 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _grpc_serving(address: str, timeout: float = 1.0) -> bool:
+def _grpc_serving(address: str, timeout: float = 1.0, tls: TLSFiles | None = None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    if tls is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        read = [p.read_bytes() if p else None for p in (tls.ca, tls.key, tls.cert)]
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(*read))
+    with channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:
@@ -42,9 +49,9 @@ def _grpc_serving(address: str, timeout: float = 1.0) -> bool:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _http_ok(url: str, timeout: float = 1.0) -> bool:
+def _http_ok(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:  # noqa: S310 - loopback only
             return r.status == 200
     except OSError:
         return False
@@ -78,6 +85,10 @@ class Stack:
     router_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     log_dir: Path | None = None
+    # when the services or the router's doors use TLS (flags in service_args / router_args): the
+    # certificate the launcher itself presents, and the CA it checks them with
+    probe_tls: TLSFiles | None = None
+    https: bool = False
 
     @property
     def draft(self) -> bool:
@@ -89,7 +100,17 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"{'https' if self.https else 'http'}://{self.host}:{self.http_port}"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """What a client of the HTTPS door needs (None for plain HTTP)."""
+        if not self.https:
+            return None
+        tls = self.probe_tls
+        context = ssl.create_default_context(cafile=str(tls.ca) if tls and tls.ca else None)
+        if tls is not None and tls.cert is not None:
+            context.load_cert_chain(tls.cert, tls.key)
+        return context
 
     def _spawn(self, name: str, args: list[str]) -> None:
         out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
@@ -113,10 +134,11 @@ class Stack:
 
     def wait_service(self, name: str, timeout: float = 300.0) -> None:
         port = self.target_port if name == "target" else self.draft_port
-        self._wait(name, lambda: _grpc_serving(f"{self.host}:{port}"), timeout)
+        self._wait(name, lambda: _grpc_serving(f"{self.host}:{port}", tls=self.probe_tls), timeout)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        self._wait("router", lambda: _http_ok(f"{self.url}/ready"), timeout)
+        context = self.ssl_context()
+        self._wait("router", lambda: _http_ok(f"{self.url}/ready", context=context), timeout)
 
     def _wait(self, name: str, check, timeout: float) -> None:  # noqa: ANN001
         deadline = time.monotonic() + timeout

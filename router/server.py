@@ -16,10 +16,14 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.reload import POLL_S, reload_on_sighup
+from common.tls import reload_ssl_context, server_credentials, uvicorn_ssl
 from router import grpc_api
+from router.auth import GrpcGuard, HTTPGuard
 from router.config import RouterConfig
 from router.engine import RouterEngine
 from router.http_api import create_app
+from router.security import RouterSecurity
 
 log = logging.getLogger(__name__)
 
@@ -49,34 +53,58 @@ class Endpoints:
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig, endpoints: Endpoints) -> None:
-        self.config = config
+    def __init__(self, config: RouterConfig, endpoints: Endpoints, security: RouterSecurity | None = None) -> None:
+        self.security = security or RouterSecurity()
+        self.config = self.security.apply(config)
         self.endpoints = endpoints
-        self.engine = RouterEngine(config, endpoints.target, endpoints.draft, endpoints.tokenizer_dir)
+        self.engine = RouterEngine(self.config, endpoints.target, endpoints.draft, endpoints.tokenizer_dir)
         self.grpc_server: grpc.aio.Server | None = None
         self.http: uvicorn.Server | None = None
         self.grpc_port = 0
+        self._https_reload: asyncio.Task | None = None
 
     async def start(self, wait_s: float = 300.0) -> None:
         await self.engine.start(wait_s)
-        e = self.endpoints
-        self.grpc_server = grpc.aio.server()
+        e, sec = self.endpoints, self.security
+        guard = sec.guard()
+        self.grpc_server = grpc.aio.server(interceptors=[GrpcGuard(guard, [grpc_api.SERVICE_NAME])] if guard else [])
         grpc_api.register(self.grpc_server, self.engine)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
         reflection.enable_server_reflection((grpc_api.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.grpc_server)
-        self.grpc_port = self.grpc_server.add_insecure_port(f"{e.host}:{e.grpc_port}")
+        address = f"{e.host}:{e.grpc_port}"
+        if sec.public is not None:
+            self.grpc_port = self.grpc_server.add_secure_port(address, server_credentials(sec.public))
+        else:
+            self.grpc_port = self.grpc_server.add_insecure_port(address)
         await self.grpc_server.start()
         for name in ("", grpc_api.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         app = create_app(self.engine, e.model_name)
+        if guard is not None:
+            app.add_middleware(HTTPGuard, guard=guard, metrics=sec.metrics_require_key)
+        https = uvicorn_ssl(sec.public.files) if sec.public is not None else {}
         # keep-alive longer than clients' and load balancers' idle timeouts (60 s is common): a
         # server that closes an idle connection first races with the client's next request on it
         self.http = _Uvicorn(uvicorn.Config(app, host=e.host, port=e.http_port, log_level="warning",
-                                                  timeout_graceful_shutdown=5, timeout_keep_alive=75))
-        log.info("HTTP on http://%s:%d  gRPC on %s:%d  model %r", e.host, e.http_port, e.host, self.grpc_port,
-                 e.model_name)
+                                            timeout_graceful_shutdown=5, timeout_keep_alive=75, **https))
+        if sec.public is not None:
+            self._https_reload = asyncio.create_task(self._reload_https())
+        log.info("HTTP on %s://%s:%d  gRPC on %s:%d  model %r", "https" if https else "http", e.host, e.http_port,
+                 e.host, self.grpc_port, e.model_name)
+        log.info("security: %s", sec.describe())
+
+    async def _reload_https(self) -> None:
+        """uvicorn keeps one SSLContext for every connection: give it rotated files as they come."""
+        certs = self.security.public
+        assert certs is not None and self.http is not None
+        generation = certs.generation
+        while True:
+            await asyncio.sleep(min(POLL_S, certs.poll_s) or 0.05)
+            if certs.refresh() != generation and self.http.config.loaded:
+                generation = certs.generation
+                reload_ssl_context(self.http.config.ssl, certs)
 
     async def serve_http(self) -> None:
         """Until uvicorn stops (SIGINT/SIGTERM, or should_exit set)."""
@@ -89,14 +117,18 @@ class RouterServer:
         return self.http.servers[0].sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        if self._https_reload is not None:
+            self._https_reload.cancel()
         if self.grpc_server is not None:
             await self.grpc_server.stop(2.0)
         await self.engine.stop()
         log.info("router stopped")
 
 
-async def run(config: RouterConfig, endpoints: Endpoints, wait_s: float) -> None:
-    server = RouterServer(config, endpoints)
+async def run(config: RouterConfig, endpoints: Endpoints, wait_s: float,
+              security: RouterSecurity | None = None) -> None:
+    server = RouterServer(config, endpoints, security)
+    reload_on_sighup(asyncio.get_running_loop())  # certificate and key files re-read now
     await server.start(wait_s)
     try:
         await server.serve_http()
@@ -104,5 +136,6 @@ async def run(config: RouterConfig, endpoints: Endpoints, wait_s: float) -> None
         await server.stop()
 
 
-def main_sync(config: RouterConfig, endpoints: Endpoints, wait_s: float) -> None:
-    asyncio.run(run(config, endpoints, wait_s))
+def main_sync(config: RouterConfig, endpoints: Endpoints, wait_s: float,
+              security: RouterSecurity | None = None) -> None:
+    asyncio.run(run(config, endpoints, wait_s, security))

@@ -11,6 +11,7 @@ from engine.config import ModelConfig
 from engine.parallel import SINGLE, check_shardable
 from engine.runner import ModelRunner
 from engine.service import add_model_args, checked_engine_config, load_runner, serve
+from engine.transport import Transport, transport_from_args
 from target_service.server import SERVICE_NAME, create_servicer, register
 from target_service.tp_workers import Followers, rank_config
 
@@ -37,9 +38,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
     args = parser.parse_args(argv)
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be >= 1")
+    transport = transport_from_args(args)  # unusable certificate files fail in seconds, not after the load
     if args.tensor_parallel_size == 1:
         runner = load_runner(args)  # logs the model, KV capacity, backend, dtype and device
-        return _serve(args, runner)
+        return _serve(args, runner, transport)
     try:
         check_shardable(ModelConfig.from_dir(args.model), args.tensor_parallel_size)
     except ValueError as e:
@@ -51,18 +53,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
     try:
         runner = load_runner(args, followers.tp, config)
         followers.exit_if_one_dies()
-        return _serve(args, runner)
+        return _serve(args, runner, transport)
     finally:
         followers.stop(runner)
 
 
-def _serve(args: argparse.Namespace, runner: ModelRunner) -> int:
+def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport) -> int:
     servicer = create_servicer(runner, args.model_id, args.max_draft_tokens)
     tp = runner.tp if runner.tp is not SINGLE else None
     log.info("target %s: max_draft_tokens %d%s", servicer.worker.model_id, args.max_draft_tokens,
              f"; tensor parallel over {tp.size} ranks" if tp else "")
     asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
-                      args.grace_seconds))
+                      args.grace_seconds, transport=transport))
     return 0
 
 

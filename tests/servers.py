@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.service import serve
+from engine.transport import Transport
 
 
 @dataclass
@@ -30,7 +31,7 @@ class RunningServer:
 
 
 def start_server(register: Callable[[grpc.aio.Server], None], service_name: str, port: int = 0,
-                 grace_seconds: float = 5.0) -> RunningServer:
+                 grace_seconds: float = 5.0, transport: Transport | None = None) -> RunningServer:
     started = threading.Event()
     box: dict = {}
 
@@ -45,7 +46,8 @@ def start_server(register: Callable[[grpc.aio.Server], None], service_name: str,
             started.set()
 
         try:
-            loop.run_until_complete(serve(register, service_name, "127.0.0.1", port, grace_seconds, stop, on_started))
+            loop.run_until_complete(serve(register, service_name, "127.0.0.1", port, grace_seconds, stop, on_started,
+                                          transport or Transport()))
         finally:
             started.set()
             loop.close()

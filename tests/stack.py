@@ -15,7 +15,9 @@ import httpx
 
 from draft_service import server as draft_server
 from engine import EngineConfig, ModelRunner
+from engine.transport import Transport
 from router.config import RouterConfig
+from router.security import RouterSecurity
 from router.server import Endpoints, RouterServer
 from target_service import server as target_server
 from tests.servers import RunningServer, start_server
@@ -26,8 +28,9 @@ from tests.servers import RunningServer, start_server
 REALISTIC_STEP_S = 0.015
 
 
+
 def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_size: int = 16,
-                 step_delay_s: float = 0.0) -> tuple[RunningServer, ModelRunner]:
+                 step_delay_s: float = 0.0, transport: Transport | None = None) -> tuple[RunningServer, ModelRunner]:
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu"))
     servicer = target_server.create_servicer(runner)
     if step_delay_s:
@@ -38,13 +41,16 @@ def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_si
             return await step(request, context)
 
         servicer.Step = slow_step
-    return start_server(lambda s: target_server.register(s, servicer), target_server.SERVICE_NAME, port), runner
+    return start_server(lambda s: target_server.register(s, servicer), target_server.SERVICE_NAME, port,
+                        transport=transport), runner
 
 
-def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0) -> tuple[RunningServer, ModelRunner]:
+def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0,
+                transport: Transport | None = None) -> tuple[RunningServer, ModelRunner]:
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=16, device="cpu"))
     servicer = draft_server.create_servicer(runner)
-    return start_server(lambda s: draft_server.register(s, servicer), draft_server.SERVICE_NAME, port), runner
+    return start_server(lambda s: draft_server.register(s, servicer), draft_server.SERVICE_NAME, port,
+                        transport=transport), runner
 
 
 @dataclass
@@ -57,7 +63,8 @@ class RouterThread:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        scheme = "https" if self.server.security.public is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}"
 
     @property
     def grpc_address(self) -> str:
@@ -75,9 +82,10 @@ class RouterThread:
 
 
 def start_router(config: RouterConfig, target: str, draft: str | None, tokenizer_dir: Path,
-                 model_name: str = "tiny", wait_s: float = 30.0) -> RouterThread:
+                 model_name: str = "tiny", wait_s: float = 30.0,
+                 security: RouterSecurity | None = None) -> RouterThread:
     server = RouterServer(config, Endpoints(target=target, draft=draft, tokenizer_dir=str(tokenizer_dir),
-                                            model_name=model_name, http_port=0, grpc_port=0))
+                                            model_name=model_name, http_port=0, grpc_port=0), security)
     ready = threading.Event()
     box: dict = {}
 

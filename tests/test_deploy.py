@@ -3,7 +3,9 @@ validate each object strictly against the Kubernetes OpenAPI schema, and check w
 cannot: selectors that select, ports that exist, container args that the real CLIs accept (after
 the $(VAR) expansion the kubelet does from the rendered ConfigMap), a NetworkPolicy that lets
 only the router reach the model services, non-root containers with requests and limits, a PDB
-per Deployment, GPUs requested = limited. Needs kubectl (client only, no cluster)."""
+per Deployment, GPUs requested = limited, API keys and certificates only from Secrets mounted
+read-only, mutual TLS wired end to end where it is on (cert-manager's objects, which no Kubernetes
+schema covers, are checked field by field here). Needs kubectl (client only, no cluster)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ K8S_VERSION = "1.37"  # schema version for kubernetes-validate (strict)
 NAMESPACE = "tandem"
 IMAGE = "ghcr.io/tandem-serving/tandem:0.1.0"  # Dockerfile (CPU)
 CUDA_IMAGE = "ghcr.io/tandem-serving/tandem:0.1.0-cuda12.6"  # Dockerfile.cuda
-IMAGES = {"deploy": CUDA_IMAGE, "gpu": CUDA_IMAGE, "base": IMAGE, "cpu": IMAGE}
+IMAGES = {"deploy": CUDA_IMAGE, "gpu": CUDA_IMAGE, "cert-manager": CUDA_IMAGE, "base": IMAGE, "cpu": IMAGE}
 UID = 10001
 COMPONENTS = ("router", "draft", "target")
 MODULES = {"router": "router", "target_service": "target", "draft_service": "draft"}
@@ -38,7 +40,11 @@ SERVICE_PORTS = {"target": 50052, "draft": 50053}
 ROUTER_PORTS = {"http": 8000, "grpc": 50051}
 MIN_MODEL_LOAD_S = 600  # startup probes must allow at least this long for a model to load
 
-KUSTOMIZATIONS = {"deploy": "deploy", "base": "deploy/base", "gpu": "deploy/overlays/gpu", "cpu": "deploy/overlays/cpu"}
+KUSTOMIZATIONS = {"deploy": "deploy", "base": "deploy/base", "gpu": "deploy/overlays/gpu", "cpu": "deploy/overlays/cpu",
+                  "cert-manager": "deploy/overlays/cert-manager"}
+GPU_RENDERS = ("deploy", "gpu", "cert-manager")
+CRD_GROUPS = ("cert-manager.io/",)  # custom resources: not in the Kubernetes schema (see test_cert_manager_objects)
+HEALTH_PORT = 50060  # plaintext health-only port of a TLS service (kubelet probes cannot speak TLS)
 EXTRA_MANIFESTS = ["deploy/tools/model-loader.yaml"]  # applied by hand (kubectl apply -f)
 
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on PATH: cannot render deploy/ with "
@@ -213,7 +219,7 @@ def test_every_object_validates_strictly_against_the_kubernetes_schema():
     problems, seen = [], set()
     for source, obj in objects:
         key = json.dumps(obj, sort_keys=True)
-        if key in seen:  # the overlays share most objects with the base: validate each once
+        if key in seen or obj.get("apiVersion", "").startswith(CRD_GROUPS):  # validate each once; CRDs apart
             continue
         seen.add(key)
         where = f"{source}: {obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
@@ -288,14 +294,16 @@ def _budget(probe: dict) -> int:
 
 def test_probes(rendered):
     _, objs = rendered
-    deps = deployments(objs)
+    deps, args = deployments(objs), parsed(objs)
     for comp in SERVICE_PORTS:
         c, ports = main_container(deps[comp]), container_ports(deps[comp])
+        # over TLS the kubelet (no TLS in grpc probes) asks the plaintext health-only port
+        port = args[comp].health_port if args[comp].tls_cert else SERVICE_PORTS[comp]
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             probe = c.get(kind)
             assert probe and "grpc" in probe, f"{comp}: {kind} must be a native grpc probe (grpc.health.v1)"
             assert probe["grpc"]["port"] in ports, f"{comp}: {kind} port {probe['grpc']['port']} not declared"
-            assert probe["grpc"]["port"] == SERVICE_PORTS[comp]
+            assert probe["grpc"]["port"] == port, f"{comp}: {kind} asks port {probe['grpc']['port']}, not {port}"
         assert _budget(c["startupProbe"]) >= MIN_MODEL_LOAD_S, f"{comp}: startupProbe too short to load a model"
     c, ports = main_container(deps["router"]), container_ports(deps["router"])
     for kind, path in (("startupProbe", "/health"), ("livenessProbe", "/health"), ("readinessProbe", "/ready")):
@@ -356,7 +364,7 @@ def test_container_args_parse_with_the_real_clis(rendered):
     router_start = _budget(main_container(deps["router"])["startupProbe"])
     assert target_load <= r.startup_wait < router_start, (target_load, r.startup_wait, router_start)
 
-    if name in ("deploy", "gpu"):
+    if name in GPU_RENDERS:
         for comp in SERVICE_PORTS:
             assert (args[comp].device, args[comp].dtype) == ("cuda", "bfloat16"), comp
     if name == "cpu":
@@ -483,7 +491,7 @@ def test_router_rbac_is_least_privilege(rendered):
 def test_overlay_specifics(rendered):
     name, objs = rendered
     deps = deployments(objs)
-    gpu = name in ("deploy", "gpu")
+    gpu = name in GPU_RENDERS
     for comp, d in deps.items():
         spec, c = pod_spec(d), main_container(d)
         models = next(v for v in spec["volumes"] if v["name"] == "models")
@@ -506,6 +514,113 @@ def test_overlay_specifics(rendered):
     if gpu:
         pvc = one(objs, "PersistentVolumeClaim", "tandem-models")
         assert pvc["spec"]["accessModes"]
+
+
+# ---- keys and certificates ------------------------------------------------------------------------
+def secret_mounts(deploy: dict) -> dict[str, tuple[str, bool]]:
+    """{mountPath: (Secret name, read-only)} of the main container's Secret volumes."""
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod_spec(deploy).get("volumes", []) if "secret" in v}
+    return {m["mountPath"]: (secrets[m["name"]], m.get("readOnly", False))
+            for m in main_container(deploy).get("volumeMounts", []) if m["name"] in secrets}
+
+
+def from_secret(deploy: dict, path) -> str | None:  # noqa: ANN001
+    """The Secret a file comes from, if it lies under a read-only Secret mount."""
+    for mount, (secret, read_only) in secret_mounts(deploy).items():
+        if str(path).startswith(mount.rstrip("/") + "/"):
+            assert read_only, f"Secret {secret} must be mounted read-only"
+            return secret
+    return None
+
+
+TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca", "public_tls_cert", "public_tls_key", "public_tls_ca")
+
+
+def test_keys_and_certificates_come_only_from_secrets_mounted_read_only(rendered):
+    _, objs = rendered
+    assert not of_kind(objs, "Secret"), "no Secret in git: keys and certificates are made in the cluster"
+    for cm in of_kind(objs, "ConfigMap"):
+        for key, value in cm.get("data", {}).items():
+            secret_like = re.search(r"(API_KEY|TLS|CERT|PRIVATE|PASSWORD|SECRET|TOKEN)(_|$)", key)
+            assert not secret_like, f"ConfigMap holds {key}"
+            assert "-----BEGIN" not in value, f"ConfigMap {key} holds PEM"
+    deps, args = deployments(objs), parsed(objs)
+    r = args["router"]
+    assert not r.api_key, "--api-key puts the key in the pod spec: use --api-key-file"
+    assert from_secret(deps["router"], r.api_key_file) == "tandem-api-keys", "the router must require API keys"
+    for comp, a in args.items():
+        assert not any(e["name"] == "TANDEM_API_KEY" and "value" in e for e in main_container(deps[comp]).get(
+            "env", [])), f"{comp}: a literal API key"
+        for flag in TLS_FLAGS:
+            path = getattr(a, flag, None)
+            if path is not None:
+                assert from_secret(deps[comp], path), f"{comp}: --{flag.replace('_', '-')} {path} is not from a Secret"
+
+
+def test_mutual_tls_is_all_or_nothing_and_wired_end_to_end(rendered):
+    name, objs = rendered
+    args, policies = parsed(objs), of_kind(objs, "NetworkPolicy")
+    on = {comp: a.tls_cert is not None for comp, a in args.items()}
+    assert len(set(on.values())) == 1, f"mutual TLS must be on for all three or for none: {on}"
+    assert all(on.values()) == (name == "cert-manager")
+    if not all(on.values()):
+        return
+    r = args["router"]
+    assert r.tls_ca is not None, "router: --tls-ca, or any certificate would do"
+    for comp, port in SERVICE_PORTS.items():
+        a = args[comp]
+        assert a.tls_key is not None and a.tls_ca is not None, f"{comp}: --tls-ca makes client certificates required"
+        assert getattr(r, f"{comp}_tls_server_name") == f"{comp}.{NAMESPACE}.svc", \
+            f"router: --{comp}-tls-server-name must name the headless Service (its addresses are pod IPs)"
+        assert a.health_port and a.health_port != port
+        for pol in policies:
+            if selects(pol["spec"]["podSelector"], pod_labels(deployments(objs)[comp])):
+                allowed = {q.get("port") for rule in pol["spec"].get("ingress", []) for q in rule.get("ports", [])}
+                assert a.health_port not in allowed, f"{comp}: the plaintext health port is open to pods"
+
+
+CERTIFICATE_FIELDS = {"secretName", "commonName", "dnsNames", "ipAddresses", "uris", "emailAddresses", "duration",
+                      "renewBefore", "usages", "privateKey", "issuerRef", "isCA", "subject", "secretTemplate"}
+PRIVATE_KEY_FIELDS = {"algorithm", "size", "encoding", "rotationPolicy"}
+USAGES = {"digital signature", "key encipherment", "server auth", "client auth", "cert sign", "crl sign"}
+
+
+def test_cert_manager_objects(rendered):
+    """What a CRD schema would check (cert-manager.io/v1 fields and enums), and that they fit the
+    Deployments: each pod's Secret is a Certificate's, for the names and usages it needs."""
+    name, objs = rendered
+    certificates = {c["metadata"]["name"]: c for c in of_kind(objs, "Certificate")}
+    issuers = {i["metadata"]["name"]: i for i in of_kind(objs, "Issuer")}
+    if name != "cert-manager":
+        assert not certificates and not issuers
+        return
+    assert not of_kind(objs, "ClusterIssuer"), "Tandem's CA is its own, in its namespace"
+    by_secret = {}
+    for cname, c in certificates.items():
+        spec = c["spec"]
+        assert c["apiVersion"] == "cert-manager.io/v1" and set(spec) <= CERTIFICATE_FIELDS, (cname, set(spec))
+        assert set(spec.get("privateKey", {})) <= PRIVATE_KEY_FIELDS and set(spec.get("usages", [])) <= USAGES
+        ref = spec["issuerRef"]
+        assert ref.get("kind") == "Issuer" and ref["name"] in issuers, f"{cname}: issuer {ref}"
+        by_secret[spec["secretName"]] = c
+    for iname, issuer in issuers.items():
+        (kind,) = issuer["spec"]
+        assert kind in ("selfSigned", "ca"), iname
+        if kind == "ca":  # signs with a CA certificate that cert-manager makes
+            root = by_secret[issuer["spec"]["ca"]["secretName"]]["spec"]
+            assert root.get("isCA") is True and "selfSigned" in issuers[root["issuerRef"]["name"]]["spec"]
+    args = parsed(objs)
+    for comp, deploy in deployments(objs).items():
+        secret = from_secret(deploy, args[comp].tls_cert)
+        assert secret in by_secret, f"{comp}: Secret {secret} is no Certificate's"
+        spec = by_secret[secret]["spec"]
+        assert "isCA" not in spec and issuers[spec["issuerRef"]["name"]]["spec"].get("ca"), f"{comp}: signed by the CA"
+        assert from_secret(deploy, args[comp].tls_ca) == secret, f"{comp}: ca.crt from the same Secret"
+        if comp == "router":
+            assert "client auth" in spec["usages"]
+        else:
+            assert "server auth" in spec["usages"]
+            assert getattr(args["router"], f"{comp}_tls_server_name") in spec["dnsNames"]
 
 
 # ---- the image -------------------------------------------------------------------------------------

@@ -5,20 +5,30 @@ Against a cluster (`make e2e-test K8S=1`): TANDEM_E2E_K8S=1, the router reachabl
 TANDEM_E2E_URL (HTTP) and TANDEM_E2E_GRPC (host:port), e.g. through
 `kubectl -n tandem port-forward svc/router 8000:8000 50051:50051`, and TANDEM_E2E_MODELS a local
 copy of the deployed pair (the reference). Faults are injected by deleting pods with kubectl
-(KUBECONFIG names the cluster); the Deployments bring them back.
+(KUBECONFIG names the cluster); the Deployments bring them back. TANDEM_E2E_API_KEY is the key
+the deployment expects (Secret tandem-api-keys); TANDEM_E2E_CA the CA of an HTTPS router.
+
+Clients reach either kind of stack through http_client(), grpc_channel() and auth_metadata(),
+which carry the API key and the TLS settings a stack needs. `secure_stack` is the local stack
+with TLS on every link and an API key (test_e2e_secure.py).
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.tls import TLSFiles
 from router.launch import Stack, free_port
 
 
@@ -39,6 +49,14 @@ class ClusterStack:
         self.grpc_address = os.environ["TANDEM_E2E_GRPC"]
         self.grpc_port = int(self.grpc_address.rsplit(":", 1)[1])
         self.served_name = os.environ.get("TANDEM_E2E_MODEL_NAME", "tandem")
+        self.api_key = os.environ.get("TANDEM_E2E_API_KEY", "")
+        self.https = self.url.startswith("https://")
+        self.probe_tls = TLSFiles(ca=Path(os.environ["TANDEM_E2E_CA"])) if os.environ.get("TANDEM_E2E_CA") else None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self.https:
+            return None
+        return ssl.create_default_context(cafile=str(self.probe_tls.ca) if self.probe_tls else None)
 
     def _kubectl(self, *args: str) -> None:
         subprocess.run(["kubectl", "-n", "tandem", *args], check=True, timeout=600)
@@ -53,6 +71,32 @@ class ClusterStack:
     def wait_service(self, name: str, timeout: float = 600) -> None:
         time.sleep(2)
         self._kubectl("rollout", "status", f"deployment/{name}", f"--timeout={int(timeout)}s")
+
+
+@dataclass
+class SecureStack(Stack):
+    api_key: str = ""
+    pki: dict = field(default_factory=dict)
+
+
+def http_client(stack, timeout: float = 120) -> httpx.Client:  # noqa: ANN001
+    key = getattr(stack, "api_key", "")
+    return httpx.Client(verify=stack.ssl_context() or True, timeout=timeout,
+                        headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def auth_metadata(stack) -> tuple:  # noqa: ANN001
+    key = getattr(stack, "api_key", "")
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def grpc_channel(stack) -> grpc.Channel:  # noqa: ANN001
+    address = getattr(stack, "grpc_address", f"127.0.0.1:{stack.grpc_port}")
+    if not stack.https:
+        return grpc.insecure_channel(address)
+    tls = stack.probe_tls
+    pem = [p.read_bytes() if p else None for p in ((tls.ca, tls.key, tls.cert) if tls else ())]
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(*pem))
 
 
 @pytest.fixture(scope="session")
@@ -108,3 +152,36 @@ class Reference:
 @pytest.fixture(scope="session")
 def ref(models_dir) -> Reference:
     return Reference(models_dir / "target")
+
+
+@pytest.fixture(scope="module")
+def secure_stack(models_dir, tmp_path_factory):
+    """Mutual TLS between the router and both services, HTTPS and gRPC over TLS on the doors, an
+    API key from a file; every certificate made here. The router logs at DEBUG, to show that even
+    then no key is written."""
+    if os.environ.get("TANDEM_E2E_K8S") == "1":
+        pytest.skip("against a cluster, `stack` carries its key and CA (TANDEM_E2E_API_KEY, TANDEM_E2E_CA)")
+    from tests.certs import CA
+
+    root = tmp_path_factory.mktemp("secure")
+    ca = CA("tandem-e2e-ca")
+    files = {name: ca.write(root / name, ca.issue(name)) for name in ("services", "router", "public", "launcher")}
+    key = "e2e-key-" + os.urandom(8).hex()
+    (root / "api-keys").write_text(f"{key}\n")
+    svc, rtr, pub = files["services"], files["router"], files["public"]
+    logs = tmp_path_factory.mktemp("secure-logs")
+    s = SecureStack(models_dir / "target", models_dir / "draft", served_model_name=models_dir.name,
+                    http_port=free_port(), grpc_port=free_port(), target_port=free_port(), draft_port=free_port(),
+                    log_dir=logs, probe_tls=files["launcher"], https=True, api_key=key,
+                    pki={"ca": ca, "root": root, "files": files, "logs": logs},
+                    service_args=["--num-blocks", "512", "--threads", "1", f"--tls-cert={svc.cert}",
+                                  f"--tls-key={svc.key}", f"--tls-ca={svc.ca}"],
+                    router_args=["--max-num-batched-tokens", "128", "--draft-timeout", "2", "--target-grace", "60",
+                                 f"--tls-cert={rtr.cert}", f"--tls-key={rtr.key}", f"--tls-ca={rtr.ca}",
+                                 f"--public-tls-cert={pub.cert}", f"--public-tls-key={pub.key}",
+                                 f"--api-key-file={root / 'api-keys'}", "--log-level=DEBUG"])
+    s.start(timeout=120)
+    yield s
+    codes = s.stop()
+    bad = {n: c for n, c in codes.items() if c != 0}
+    assert not bad, f"unclean shutdown {bad}; logs in {logs}"

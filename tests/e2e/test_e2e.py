@@ -8,11 +8,11 @@ import signal
 import time
 
 import grpc
-import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from tests.e2e.conftest import auth_metadata, grpc_channel, http_client
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n    print(", "# Copyright\n\"\"\"Utilities for parsing", "x = [",
@@ -26,7 +26,8 @@ def long_prompt(n_lines: int) -> str:
 
 @pytest.fixture(scope="module")
 def client(stack) -> OpenAI:
-    return OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    return OpenAI(base_url=f"{stack.url}/v1", api_key=getattr(stack, "api_key", "") or "unused", timeout=120,
+                  max_retries=0, http_client=http_client(stack))
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +68,17 @@ def test_chat_streaming_and_not(client, model, ref):
 
 def test_grpc_generate_streaming_and_unary(stack, ref):
     prompt_ids = ref.encode(PROMPTS[5])
-    with grpc.insecure_channel(getattr(stack, "grpc_address", f"127.0.0.1:{stack.grpc_port}")) as channel:
+    auth = auth_metadata(stack)
+    with grpc_channel(stack) as channel:
         stub = generate_pb2_grpc.GenerateStub(channel)
         req = generate_pb2.GenerateRequest(prompt_token_ids=prompt_ids, max_tokens=25, ignore_eos=True,
                                            sampling=common_pb2.SamplingParams(temperature=0))
-        ids = [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids]
-        unary = stub.GenerateUnary(req, timeout=60)
+        ids = [t for msg in stub.Generate(req, timeout=60, metadata=auth) for t in msg.token_ids]
+        unary = stub.GenerateUnary(req, timeout=60, metadata=auth)
         with pytest.raises(grpc.RpcError) as bad:
             bad_params = common_pb2.SamplingParams(temperature=-1)
-            stub.GenerateUnary(generate_pb2.GenerateRequest(prompt="x", max_tokens=5, sampling=bad_params), timeout=10)
+            stub.GenerateUnary(generate_pb2.GenerateRequest(prompt="x", max_tokens=5, sampling=bad_params), timeout=10,
+                               metadata=auth)
     expected = ref.greedy(prompt_ids, 25)
     assert ids == expected and list(unary.token_ids) == expected and unary.finish_reason == "length"
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in bad.value.details()
@@ -130,20 +133,21 @@ BAD_BODIES = [
 
 
 def test_bad_input_battery_gets_4xx_and_server_keeps_serving(stack, client, model, ref):
-    for body, status in BAD_BODIES:
-        r = httpx.post(f"{stack.url}/v1/completions", content=body.replace(b'"M"', f'"{model}"'.encode()),
-                       headers={"Content-Type": "application/json"}, timeout=30)
-        assert r.status_code == status, (body, r.text)
-        assert r.json()["error"]["message"]
-    too_long = long_prompt(200)  # far beyond max_model_len
-    with pytest.raises(BadRequestError, match="max_model_len"):
-        client.completions.create(model=model, prompt=too_long, max_tokens=5)
-    with pytest.raises(NotFoundError):
-        client.completions.create(model="other-model", prompt="x", max_tokens=5)
-    big = httpx.post(f"{stack.url}/v1/completions", content=b'{"model": "x", "prompt": "' + b"a" * (5 * 2**20) + b'"}',
-                     headers={"Content-Type": "application/json"}, timeout=60)
-    assert big.status_code == 413
-    test_completions_greedy_equal_transformers(client, model, ref)  # still serving, still correct
+    with http_client(stack, timeout=60) as http:
+        for body, status in BAD_BODIES:
+            r = http.post(f"{stack.url}/v1/completions", content=body.replace(b'"M"', f'"{model}"'.encode()),
+                          headers={"Content-Type": "application/json"})
+            assert r.status_code == status, (body, r.text)
+            assert r.json()["error"]["message"]
+        too_long = long_prompt(200)  # far beyond max_model_len
+        with pytest.raises(BadRequestError, match="max_model_len"):
+            client.completions.create(model=model, prompt=too_long, max_tokens=5)
+        with pytest.raises(NotFoundError):
+            client.completions.create(model="other-model", prompt="x", max_tokens=5)
+        huge = b'{"model": "x", "prompt": "' + b"a" * (5 * 2**20) + b'"}'
+        big = http.post(f"{stack.url}/v1/completions", content=huge, headers={"Content-Type": "application/json"})
+        assert big.status_code == 413
+        test_completions_greedy_equal_transformers(client, model, ref)  # still serving, still correct
 
 
 def _peak_rss_bytes(pid: int) -> int:
@@ -168,10 +172,10 @@ def test_a_64_mib_body_gets_a_readable_413_and_costs_the_router_no_memory(stack,
         yield b'"}'
 
     whole = b"".join(chunks())
-    for content in (whole, chunks()):
-        r = httpx.post(f"{stack.url}/v1/completions", content=content, timeout=120,
-                       headers={"Content-Type": "application/json"})
-        assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    with http_client(stack) as http:
+        for content in (whole, chunks()):
+            r = http.post(f"{stack.url}/v1/completions", content=content, headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
     del whole
     if router:
         grown = _peak_rss_bytes(router.pid) - before
@@ -196,7 +200,9 @@ def _load(client, model, ref, n: int, max_tokens: int) -> list[cf.Future]:
 
 
 def _metric(stack, name: str) -> float:
-    for line in httpx.get(f"{stack.url}/metrics", timeout=10).text.splitlines():
+    with http_client(stack, timeout=10) as http:
+        text = http.get(f"{stack.url}/metrics").text
+    for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
