@@ -12,7 +12,7 @@ from common.tls import TLSError
 from router.config import RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
-from router.engine import IncompatibleTarget
+from router.replicas import IncompatibleTarget
 from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
 

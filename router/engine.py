@@ -8,7 +8,6 @@ requests once (submit), runs one step loop per target replica, and rides out los
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import random
@@ -18,7 +17,6 @@ from pathlib import Path
 from common.protocol import MAX_LOGPROBS
 from common.sampling import SamplingParams
 from common.tokenizer import tokenizer_fingerprint
-from router.clients import Rejected, ServiceDown
 from router.codec import TextCodec
 from router.config import RouterConfig
 from router.core import (
@@ -33,17 +31,13 @@ from router.core import (
     TokenLogprob,
 )
 from router.discovery import parse_spec
-from router.lanes import Lane, choose_lane, connect_lane, migrate, pick_draft, publish_gauges, share_draft_capacity
-from router.loop import StepLoop
+from router.lanes import Lane, choose_lane
 from router.metrics import Metrics
 from router.output import OutputBuilder
+from router.replicas import Replicas
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-
-
-class IncompatibleTarget(RuntimeError):
-    """The target does not use the router's tokenizer."""
 
 
 class RequestStream:
@@ -76,109 +70,36 @@ class RouterEngine:
         """target_spec / draft_spec: where the replicas are (router.discovery.parse_spec)."""
         self.config = config
         self.metrics = Metrics(config.k_max)
-        self.targets = parse_spec(target_spec)
-        self.drafts = parse_spec(draft_spec) if draft_spec else None
         self.codec = TextCodec(tokenizer_dir)
         self.fingerprint = tokenizer_fingerprint(tokenizer_dir)
         self.sampling_defaults = SamplingParams.from_generation_config(tokenizer_dir)
-        self.target_info: common_pb2.ModelInfo | None = None  # the first target's; all must agree
-        self.lanes: dict[str, Lane] = {}
+        self.replicas = Replicas(config, self.metrics, parse_spec(target_spec),
+                                 parse_spec(draft_spec) if draft_spec else None, self.fingerprint, self._emit,
+                                 self.finish)
         self._ids = itertools.count(random.getrandbits(31) << 20)  # fresh ids per router instance
         self._seqs: dict[int, Sequence] = {}
-        self._refresh: asyncio.Task | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, wait_s: float = 300.0) -> None:
         """Wait (up to wait_s) until at least one target answers; check compatibility; start."""
-        deadline = time.monotonic() + wait_s
-        while not self.lanes:
-            errors = await self._discover()
-            if self.lanes:
-                break
-            if time.monotonic() > deadline:
-                raise ServiceUnavailable(f"no target reachable: {'; '.join(errors) or 'none discovered'}")
-            log.info("waiting for a target ... (%s)", "; ".join(errors) or "none discovered yet")
-            await asyncio.sleep(1.0)
-        if self.targets.dynamic or (self.drafts is not None and self.drafts.dynamic):
-            self._refresh = asyncio.create_task(self._refresh_loop())
+        await self.replicas.start(wait_s)
         log.info("router ready: %s; sampling defaults %s", ", ".join(
             f"{n} (draft {lane.draft_address})" for n, lane in self.lanes.items()), self.sampling_defaults)
 
-    async def _discover(self) -> list[str]:
-        """Add lanes for new target replicas, retire lanes whose replica left. Returns errors."""
-        addresses = await self.targets.addresses()
-        drafts = await self.drafts.addresses() if self.drafts else []
-        errors = []
-        for address in addresses:
-            if address in self.lanes:
-                continue
-            try:
-                lane = await connect_lane(self.config, self.metrics, address,
-                                          pick_draft(list(self.lanes.values()), drafts), self.fingerprint)
-            except ServiceDown as err:
-                errors.append(f"{address}: {err}")
-                continue
-            self._check_target(lane.info)
-            self._start_lane(lane)
-        for name in [n for n in self.lanes if n not in addresses and self.targets.dynamic]:
-            await self._retire(self.lanes[name])
-        return errors
-
-    def _start_lane(self, lane: Lane) -> None:
-        if self.target_info is None:
-            self.target_info = lane.info
-        lane.loop = StepLoop(self.config, lane.scheduler, lane.target, lane.draft, self.metrics,
-                             min(lane.info.max_model_len, self.target_info.max_model_len),
-                             self._emit, self.finish, lambda: self._target_lost(lane), lane.wake.set)
-        self.lanes[lane.name] = lane
-        share_draft_capacity(list(self.lanes.values()))
-        lane.task = asyncio.create_task(self._run(lane))
-        self.metrics.replica_up.labels(replica=lane.name, service="target").set(1)
-        log.info("target replica %s: %s, %d blocks x %d, max_model_len %d", lane.name, lane.info.model_id,
-                 lane.info.free_blocks, lane.info.block_size, lane.info.max_model_len)
-
-    async def _retire(self, lane: Lane) -> None:
-        log.warning("target replica %s left discovery", lane.name)
-        lane.retired = True
-        self._relocate(lane)
-        for seq in lane.sequences():  # nowhere to go: the last replica left
-            self.finish(seq, FinishReason.ERROR, ServiceUnavailable(f"target replica {lane.name} is gone"))
-        del self.lanes[lane.name]
-        if lane.task:
-            lane.task.cancel()
-        await lane.draft.close()
-        self.metrics.replica_up.labels(replica=lane.name, service="target").set(0)
-
-    async def _refresh_loop(self, period_s: float = 5.0) -> None:
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                await self._discover()
-            except Exception:  # noqa: BLE001 - discovery trouble must not stop serving
-                log.exception("replica discovery failed")
-
-    def _check_target(self, info: common_pb2.ModelInfo) -> None:
-        if info.tokenizer_fingerprint and self.fingerprint and info.tokenizer_fingerprint != self.fingerprint:
-            raise IncompatibleTarget(f"target {info.model_id!r} uses a different tokenizer than the router's")
-        if self.target_info is not None and info.vocab_size != self.target_info.vocab_size:
-            raise IncompatibleTarget(f"target {info.model_id!r} is a different model (vocab {info.vocab_size} "
-                                     f"vs {self.target_info.vocab_size})")
-
     async def stop(self) -> None:
-        if self._refresh:
-            self._refresh.cancel()
-        for lane in self.lanes.values():
-            if lane.task:
-                lane.task.cancel()
+        await self.replicas.stop()
         for seq in list(self._seqs.values()):
             self.finish(seq, FinishReason.ABORT, ServiceUnavailable("router shutting down"))
-        for lane in self.lanes.values():
-            await self._release(lane)
-            await lane.draft.close()
-        self.targets.close()
-        if self.drafts:
-            self.drafts.close()
+        await self.replicas.release_all()
         self.codec.close()
+
+    @property
+    def lanes(self) -> dict[str, Lane]:
+        return self.replicas.lanes
+
+    @property
+    def target_info(self) -> common_pb2.ModelInfo | None:
+        return self.replicas.target_info
 
     @property
     def ready(self) -> bool:
@@ -286,68 +207,3 @@ class RouterEngine:
         self.metrics.requests.labels(finish_reason=reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - seq.arrival)
         lane.wake.set()
-
-    def _target_lost(self, lane: Lane) -> None:
-        if lane.up:
-            lane.down_since = time.monotonic()
-            log.error("target replica %s lost", lane.name)
-        lane.up = False
-        self.metrics.replica_up.labels(replica=lane.name, service="target").set(0)
-        for seq in lane.sequences():
-            seq.target_cached = 0  # whatever it held is gone or unknown: recompute from history
-        self._relocate(lane)
-
-    def _relocate(self, src: Lane) -> None:
-        """Move src's sequences to live replicas that can hold them, if there are any."""
-        migrate(src, list(self.lanes.values()), self.metrics)
-
-    # ---- the loop (one per replica) -------------------------------------------------------------
-    async def _run(self, lane: Lane) -> None:
-        assert lane.loop is not None
-        while not lane.retired:
-            if not lane.up:
-                await self._recover(lane)
-                continue
-            try:
-                did = await lane.loop.iteration()
-            except Exception as err:  # a router bug must not hang requests: fail what was running
-                log.exception("step failed on %s", lane.name)
-                for seq in list(lane.scheduler.running):
-                    self.finish(seq, FinishReason.ERROR, err)
-                did = True
-            if lane.draft.info is not None and lane.scheduler.draft is None:
-                share_draft_capacity(list(self.lanes.values()))  # a draft that came up after the lane
-            await self._release(lane)
-            self._update_gauges()
-            if not did:
-                lane.wake.clear()
-                try:
-                    await asyncio.wait_for(lane.wake.wait(), timeout=0.05)
-                except TimeoutError:
-                    pass
-
-    async def _recover(self, lane: Lane) -> None:
-        try:
-            info = await lane.target.info(timeout_s=2.0)
-            self._check_target(info)
-        except (ServiceDown, Rejected, IncompatibleTarget) as err:
-            self._relocate(lane)  # requests that arrived meanwhile, when another replica can take them
-            waited = time.monotonic() - lane.down_since
-            for seq in lane.sequences():
-                if min(waited, time.monotonic() - seq.arrival) > self.config.target_grace_s:
-                    self.finish(seq, FinishReason.ERROR, ServiceUnavailable(
-                        f"target unavailable for {waited:.0f}s (grace {self.config.target_grace_s:.0f}s): {err}"))
-            self._update_gauges()
-            await asyncio.sleep(0.5)
-            return
-        log.info("target replica %s is back; recomputing %d sequences", lane.name, len(lane.sequences()))
-        lane.up = True
-        self.metrics.replica_up.labels(replica=lane.name, service="target").set(1)
-
-    async def _release(self, lane: Lane) -> None:
-        if lane.to_release and lane.loop is not None:
-            ids, lane.to_release = lane.to_release, []
-            await lane.loop.release_now(ids)
-
-    def _update_gauges(self) -> None:
-        publish_gauges(list(self.lanes.values()), self.metrics)

@@ -1,0 +1,161 @@
+"""What each sequence speculates with, step by step: its k (the policy), its proposal (from the
+speculation cache), and the draft's work for each step (prompt mirroring, branches for the likely
+outcomes, plain proposals where a guess will not do). The step loop asks; this module decides."""
+
+from __future__ import annotations
+
+import time
+
+from router.config import RouterConfig
+from router.core import Sequence
+from router.drafting import DraftLane, DraftWork
+from router.scheduler import Scheduler, StepPlan
+from router.spec_policy import BranchCost, DraftCost, StepCostModel, choose_k
+from router.speculation import Candidate, best_proposal, plan_branches, prune
+from tandem.v1 import common_pb2
+
+Proposal = tuple[list[int], list[common_pb2.SparseDist]]
+
+
+class Speculator:
+    def __init__(self, config: RouterConfig, scheduler: Scheduler, draft: DraftLane, max_model_len: int) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.draft = draft
+        self.max_model_len = max_model_len
+        self.cost = StepCostModel()  # the target's step time; the loop feeds it
+        self.draft_cost = DraftCost(pipelined=config.pipeline)
+        self.branch_cost = BranchCost()
+        self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
+        self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
+        draft.on_cost = self._observe_draft
+
+    # ---- k and proposals ------------------------------------------------------------------------
+    def cap(self, seq: Sequence) -> int:
+        """Largest k this sequence may use now (0: plain decoding)."""
+        if not self.draft.up or self.config.k_max == 0:
+            return 0
+        cap = min(self.config.k_max, self.draft.max_k)
+        if seq.request.max_speculative_tokens is not None:
+            cap = min(cap, seq.request.max_speculative_tokens)
+        limit = min(self.max_model_len, self.draft.info.max_model_len if self.draft.info else 0)
+        if len(seq.tokens) + 2 * cap + 2 > limit:
+            return 0
+        return max(cap, 0)
+
+    def proposal(self, seq: Sequence) -> Proposal:
+        """Drafts prepared for this sequence's current history, with their q."""
+        seq.prepared = prune(seq.prepared, seq.tokens)
+        if seq.request.reproducible:  # only a plain proposal made at exactly this history: k never varies
+            n = len(seq.tokens)
+            plain = [p for p in seq.prepared if p.start == n and not p.prefix]
+            return (list(plain[-1].drafts), list(plain[-1].probs)) if plain else ([], [])
+        return best_proposal(seq.prepared, seq.tokens)
+
+    def choose_ks(self, decoders: list[Sequence], prefill_tokens: int) -> list[int]:
+        """The scheduler's callback: k per decoder, its policy's wish capped by the proposal it has."""
+        caps = [self.cap(s) for s in decoders]
+        if self.config.dynamic_k:
+            dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
+            chosen = choose_k([decoders[i].tracker.rate for i in dyn], [caps[i] for i in dyn], prefill_tokens,
+                              self.cost, self.draft_cost)
+            for i, k in zip(dyn, chosen, strict=True):
+                caps[i] = k
+        ks = []
+        for seq, k in zip(decoders, caps, strict=True):
+            seq.next_k = k
+            prepared_for_it = any(p.start == seq.outcome_start for p in seq.prepared)
+            drafts, _ = self.matched[seq.seq_id] = self.proposal(seq)
+            if not drafts and not prepared_for_it:
+                self.late.add(seq.seq_id)
+            ks.append(min(k, len(drafts)))
+        return ks
+
+    def decode_ready(self, seq: Sequence) -> bool:
+        # Seeded sampling stays reproducible only if its k never depends on timing: it waits
+        # for its proposal instead of running at k = 0 while the draft works.
+        return not (seq.request.reproducible and self.cap(seq) > 0 and not self.proposal(seq)[0])
+
+    def new_step(self) -> None:
+        self.matched.clear()
+        self.late.clear()
+
+    def observe_outcome(self, seq: Sequence, v: int, accepted: int, token: int) -> None:
+        """Which prepared branch (if any) this verification's outcome matched: the rank statistics."""
+        n = seq.outcome_start = len(seq.tokens)
+        ranks = {p.rank: p.prefix[-1] for p in seq.prepared if p.start == n and p.rank and p.accepted == accepted}
+        if ranks:
+            hit = next((r for r, t in ranks.items() if t == token), None)
+            self.draft.stats.observe(accepted == v, list(ranks), hit)
+
+    # ---- the draft's work -----------------------------------------------------------------------
+    def step_work(self, plan: StepPlan, sent: list[list[int]]) -> DraftWork:
+        """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes."""
+        work, budget = DraftWork(), self.draft.budget
+        cands: list[tuple[Sequence, list[int], Candidate]] = []
+        if self.config.pipeline:
+            for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
+                if seq.next_k > 0 and not seq.request.reproducible:
+                    cands.append((seq, seq.tokens + drafts, Candidate(seq.seq_id, len(drafts), seq.tracker.rate,
+                                                                      seq.next_k)))
+            for c in plan.chunks:
+                cap = self.cap(c.seq)
+                if c.emit and cap > 0 and not c.seq.request.reproducible:
+                    cands.append((c.seq, list(c.seq.tokens), Candidate(c.seq.seq_id, 0, c.seq.tracker.rate, cap)))
+        budget_ms = self.cost.step_ms(plan.num_tokens)
+        branches = plan_branches([c for _, _, c in cands], self.draft.stats, self._branch_budget(cands, budget_ms))
+        planned = {seq.seq_id for seq, _, _ in cands}
+        for c in plan.chunks:  # mirrored first: they are the draft's prefill
+            if c.seq.seq_id not in planned:
+                work.add(c.seq, c.seq.tokens[:c.end], 0, 0, c.seq.request.sampling_proto, [], budget)
+        for seq, base, cand in cands:
+            work.add(seq, base, cand.k, cand.v, seq.request.sampling_proto, branches[seq.seq_id], budget)
+        self._add_plain(work, budget)
+        return work
+
+    def waiting_work(self) -> DraftWork:
+        """Nothing could run: what the sequences waiting for the draft need."""
+        work = DraftWork()
+        self._add_plain(work, self.draft.budget)
+        return work
+
+    def _add_plain(self, work: DraftWork, budget: int) -> None:
+        """Plain proposals for seeded sequences waiting for theirs (they never take a guessed branch)."""
+        for seq in self.scheduler.running:
+            if not seq.prefilling and not self.decode_ready(seq) and seq not in work.seqs:
+                work.add(seq, list(seq.tokens), self.cap(seq), 0, seq.request.sampling_proto, [], budget)
+
+    def _branch_budget(self, cands: list, step_ms: float) -> int:
+        """Branches the draft can prepare within about one target step (at least one per sequence)."""
+        if not cands:
+            return 0
+        k = max(c.k for _, _, c in cands)
+        by_time = max(len(cands), self.branch_cost.affordable(step_ms, rounds=1 + k, k=k))
+        geometry = self.scheduler.draft
+        if geometry is None:
+            return by_time
+        # forks live only during the call, in the draft blocks no sequence has reserved
+        spare = geometry.num_blocks - self.scheduler.usage()[1]
+        return min(by_time, spare // (1 + geometry.blocks(k)))
+
+    def _observe_draft(self, work: DraftWork, ms: float) -> None:
+        if work.rounds:
+            self.draft_cost.observe(ms, work.rounds)
+            self.branch_cost.observe(ms, work.rounds, work.branches * max(1, work.rounds - 1))
+
+    async def sequential_proposals(self) -> float:
+        """Without pipelining, decoders lacking a proposal get a plain one first (on the critical path)."""
+        if not self.draft.up:
+            return 0.0
+        t0 = time.perf_counter()
+        await self.draft.wait()  # the previous step's prompt mirroring
+        running = [s for s in self.scheduler.running if not s.prefilling]
+        lacking = [s for s in running if self.cap(s) > 0 and not self.proposal(s)[0]]
+        if lacking:
+            self.choose_ks(running, 0)  # sizes the proposals; a sequence held at k = 0 needs none
+            work = DraftWork()
+            for seq in lacking:
+                if seq.next_k > 0:
+                    work.add(seq, list(seq.tokens), seq.next_k, 0, seq.request.sampling_proto, [], self.draft.budget)
+            await self.draft.run(work)
+        return (time.perf_counter() - t0) * 1000
