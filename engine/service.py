@@ -9,6 +9,7 @@ import functools
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -170,6 +171,12 @@ def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except DeadlineExpired as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # a bug or a fault: the caller gets a short answer, the log the whole story
+            log_id = uuid.uuid4().hex[:12]
+            log.exception("%s failed [log id %s]", method.__name__, log_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})")
         raise AssertionError("unreachable")  # abort() raises
 
     return wrapper

@@ -12,6 +12,7 @@ from common.tls import TLSError
 from router.config import RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
+from router.lanes import IncompatibleLimits
 from router.replicas import IncompatibleTarget
 from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
                           host=args.host, http_port=args.port, grpc_port=args.grpc_port)
     try:
         main_sync(config, endpoints, args.startup_wait, security)
-    except (IncompatibleDraft, IncompatibleTarget, ServiceUnavailable) as err:
+    except (IncompatibleDraft, IncompatibleTarget, IncompatibleLimits, ServiceUnavailable) as err:
         logging.getLogger("router").error("%s", err)
         return 1
     return 0

@@ -1,5 +1,5 @@
 """Thin clients of the model services: deadlines on every call, gRPC errors turned into the
-three things the step loop acts on (cache miss, service down, request rejected).
+four things the step loop acts on (cache miss, service down, service error, request rejected).
 
 Over TLS, a client whose certificate files change (rotation) opens a new channel for the calls
 that follow and closes the old one once the calls on it are done (grace: the call deadline)."""
@@ -27,6 +27,11 @@ class ServiceDown(Exception):
     """Unreachable, timed out or shutting down: the call may be retried once the service is back."""
 
 
+class ServiceError(Exception):
+    """The service answered, with an internal error: a bug or a fault in it, not a lost connection.
+    Retrying the same call blindly may fail forever; the step loop isolates the cause instead."""
+
+
 class Rejected(Exception):
     """The service refused the call (INVALID_ARGUMENT or RESOURCE_EXHAUSTED): a router-side bug or
     a bad request that slipped through; `code` says which."""
@@ -37,8 +42,9 @@ class Rejected(Exception):
         self.details = details
 
 
-_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-         grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED}
+_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+_BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
+           grpc.StatusCode.UNIMPLEMENTED}
 
 
 def _translate(err: grpc.aio.AioRpcError) -> Exception:
@@ -49,6 +55,8 @@ def _translate(err: grpc.aio.AioRpcError) -> Exception:
                 return CacheMissError([int(s) for s in value.split(",") if s])
     if code in _DOWN:
         return ServiceDown(f"{code.name}: {err.details()}")
+    if code in _BROKEN:
+        return ServiceError(f"{code.name}: {err.details()}")
     return Rejected(code, err.details() or "")
 
 

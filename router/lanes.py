@@ -36,6 +36,7 @@ class Lane:
     loop: StepLoop | None = None
     up: bool = True
     down_since: float = 0.0
+    contact: float = 0.0  # when the target last answered (monotonic)
     retired: bool = False
     task: asyncio.Task | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -112,8 +113,22 @@ async def connect_lane(config: RouterConfig, metrics: Metrics, address: str, dra
     draft = DraftLane(DraftClient(draft_address, config.draft_timeout_s, config.draft_tls) if draft_address else None,
                       metrics, config.draft_retry_s)
     await draft.connect(info.tokenizer_fingerprint or fingerprint, info.vocab_size)
-    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None)
+    budget = min(config.max_num_batched_tokens, info.max_batch_tokens or config.max_num_batched_tokens)
+    if budget < config.max_num_seqs:
+        raise IncompatibleLimits(f"target {address} takes at most {info.max_batch_tokens} tokens per step, fewer than "
+                                 f"the router's --max-num-seqs {config.max_num_seqs}: every running decode needs one")
+    if budget < config.max_num_batched_tokens:
+        log.warning("target %s takes at most %d tokens per step: the router's --max-num-batched-tokens %d is clamped "
+                    "to it for this replica", address, info.max_batch_tokens, config.max_num_batched_tokens)
+    if config.k_max > info.max_draft_tokens:
+        log.warning("target %s verifies at most %d draft tokens per sequence: --num-speculative-tokens %d is clamped "
+                    "to it for this replica", address, info.max_draft_tokens, config.k_max)
+    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None, budget)
     return Lane(target=target, draft=draft, info=info, scheduler=scheduler, down_since=time.monotonic())
+
+
+class IncompatibleLimits(RuntimeError):
+    """A target's limits leave the router's configuration no room: refuse to start, naming both."""
 
 
 def publish_gauges(lanes: list[Lane], metrics: Metrics) -> None:

@@ -19,6 +19,7 @@ from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 GAUGE_PERIOD_S = 0.1  # queue and KV gauges: refreshed at most this often, not every step
+PROBE_PERIOD_S = 2.0  # an idle lane asks its target how it is this often (/ready must not lie while idle)
 
 
 class IncompatibleTarget(RuntimeError):
@@ -85,7 +86,8 @@ class Replicas:
             self.target_info = lane.info
         lane.loop = StepLoop(self.config, lane.scheduler, lane.target, lane.draft, self.metrics,
                              min(lane.info.max_model_len, self.target_info.max_model_len),
-                             self._emit, self._finish, lambda: self._lost(lane), lane.wake.set)
+                             lane.info.max_draft_tokens or self.config.k_max, self._emit, self._finish,
+                             lambda: self._lost(lane), lane.wake.set)
         self.lanes[lane.name] = lane
         share_draft_capacity(list(self.lanes.values()))
         lane.task = asyncio.create_task(self._run(lane))
@@ -160,12 +162,26 @@ class Replicas:
                 share_draft_capacity(list(self.lanes.values()))  # a draft that came up after the lane
             await self._release(lane)
             self.update_gauges()
-            if not did:
-                lane.wake.clear()
-                try:
-                    await asyncio.wait_for(lane.wake.wait(), timeout=0.05)
-                except TimeoutError:
-                    pass
+            if did:
+                lane.contact = time.monotonic()
+                continue
+            if time.monotonic() - lane.contact > PROBE_PERIOD_S:
+                await self._probe(lane)
+            lane.wake.clear()
+            try:
+                await asyncio.wait_for(lane.wake.wait(), timeout=0.05)
+            except TimeoutError:
+                pass
+
+    async def _probe(self, lane: Lane) -> None:
+        lane.contact = time.monotonic()
+        try:
+            await lane.target.info(timeout_s=1.0)
+        except ServiceDown as err:
+            log.error("target replica %s does not answer: %s", lane.name, err)
+            self._lost(lane)
+        except Rejected:
+            pass
 
     async def _recover(self, lane: Lane) -> None:
         try:
@@ -176,8 +192,10 @@ class Replicas:
             waited = time.monotonic() - lane.down_since
             for seq in lane.sequences():
                 if min(waited, time.monotonic() - seq.arrival) > self.config.target_grace_s:
+                    log.error("failing seq %d: target %s unreachable for %.0fs: %s", seq.seq_id, lane.name, waited, err)
                     self._finish(seq, FinishReason.ERROR, ServiceUnavailable(
-                        f"target unavailable for {waited:.0f}s (grace {self.config.target_grace_s:.0f}s): {err}"))
+                        f"the model service was unavailable for {waited:.0f}s "
+                        f"(grace {self.config.target_grace_s:.0f}s)"))
             self.update_gauges(force=True)
             await asyncio.sleep(0.5)
             return
