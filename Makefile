@@ -46,6 +46,10 @@ else
 endif
 
 RUN_MODELS ?= models/demo
+chaos: $(STUBS)  ## only the fault-injection part of e2e-test (stalled and restarted services, hang-ups)
+	$(MAKE) --no-print-directory models-tiny
+	TANDEM_E2E_MODELS=$(E2E_MODELS) $(VENV)/bin/pytest tests/e2e/test_chaos.py
+
 run: $(STUBS) models  ## build the models if absent, start target + draft + router (NO_DRAFT=1: target-only)
 	$(VENV)/bin/tandem serve $(RUN_MODELS) $(if $(NO_DRAFT),--no-draft) \
 		--port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
