@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS := tandem/v1/.generated
 
-.PHONY: help install proto lint test e2e-test run bench deploy image image-cuda gpu-check clean
+.PHONY: help install proto lint test e2e-test chaos run bench deploy image image-cuda gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
