@@ -56,13 +56,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     async def Step(self, request: target_pb2.StepRequest, context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
+        self.worker.lease.check(context)
         return await self.worker.run(self.step, request, call_deadline(context))
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
+        self.worker.lease.check(context)
         free = await self.worker.run(self.worker.release, list(request.seq_ids))
         return common_pb2.ReleaseResponse(free_blocks=free)
+
+    @rpc_errors
+    async def Lease(self, request: common_pb2.LeaseRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.LeaseResponse:
+        return await self.worker.lease_rpc(request)
 
     # ---- the step (model thread) ----------------------------------------------------------
     @torch.inference_mode()
