@@ -85,9 +85,10 @@ class _Client:
         self._retiring[task] = old
         task.add_done_callback(self._retiring.pop)
 
-    async def _call(self, method, request, timeout_s: float | None = None):  # noqa: ANN001, ANN202
+    async def _call(self, method, request, timeout_s: float | None = None,  # noqa: ANN001, ANN202
+                    metadata: tuple[tuple[str, str], ...] | None = None):
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s)
+            return await method(request, timeout=timeout_s or self.timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as err:
             raise _translate(err) from None
 
@@ -105,8 +106,10 @@ class TargetClient(_Client):
     async def info(self, timeout_s: float = 5.0) -> common_pb2.ModelInfo:
         return await self._call(self.stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
 
-    async def step(self, entries: list[target_pb2.StepEntry]) -> target_pb2.StepResponse:
-        return await self._call(self.stub.Step, target_pb2.StepRequest(entries=entries))
+    async def step(self, entries: list[target_pb2.StepEntry],
+                   metadata: tuple[tuple[str, str], ...] | None = None) -> target_pb2.StepResponse:
+        """metadata: the trace context, when tracing."""
+        return await self._call(self.stub.Step, target_pb2.StepRequest(entries=entries), metadata=metadata)
 
     async def release(self, seq_ids: list[int]) -> None:
         await self._call(self.stub.Release, common_pb2.ReleaseRequest(seq_ids=seq_ids), 5.0)
@@ -121,8 +124,9 @@ class DraftClient(_Client):
     async def sync(self, chunks: list[draft_pb2.Chunk]) -> draft_pb2.SyncResponse:
         return await self._call(self.stub.Sync, draft_pb2.SyncRequest(chunks=chunks))
 
-    async def propose(self, entries: list[draft_pb2.ProposeEntry]) -> draft_pb2.ProposeResponse:
-        return await self._call(self.stub.Propose, draft_pb2.ProposeRequest(entries=entries))
+    async def propose(self, entries: list[draft_pb2.ProposeEntry],
+                      metadata: tuple[tuple[str, str], ...] | None = None) -> draft_pb2.ProposeResponse:
+        return await self._call(self.stub.Propose, draft_pb2.ProposeRequest(entries=entries), metadata=metadata)
 
     async def release(self, seq_ids: list[int]) -> None:
         await self._call(self.stub.Release, common_pb2.ReleaseRequest(seq_ids=seq_ids), 5.0)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from common.tls import ClientTLS
+    from router.tracing import RouterTracer
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class RouterConfig:
     draft_retry_s: float = 1.0  # first reconnect backoff for a lost draft (doubles up to 30 s)
     target_tls: ClientTLS | None = None  # TLS to the target replicas (router.security); None: plaintext
     draft_tls: ClientTLS | None = None
+    tracer: RouterTracer | None = None  # OpenTelemetry spans (router.tracing); None: tracing off
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

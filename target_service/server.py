@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from common.protocol import MAX_LOGPROBS
+from common.tracing import Tracing
 from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.sampling import logprobs_of
 from engine.service import ModelWorker, call_deadline, rpc_errors, sampling_spec, still_wanted
@@ -43,9 +44,12 @@ class _Entry:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, worker: ModelWorker) -> None:
+    rpc_service = SERVICE_NAME
+
+    def __init__(self, worker: ModelWorker, tracing: Tracing | None = None) -> None:
         self.worker = worker
         self.runner: ModelRunner = worker.runner
+        self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
 
     # ---- RPCs -----------------------------------------------------------------------------
     @rpc_errors
@@ -193,8 +197,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return dists
 
 
-def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8) -> TargetServicer:
-    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens))
+def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
+                    tracing: Tracing | None = None) -> TargetServicer:
+    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens), tracing)
 
 
 def register(server: grpc.aio.Server, servicer: TargetServicer) -> None:

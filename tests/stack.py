@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from common.tracing import Tracing
 from draft_service import server as draft_server
 from engine import EngineConfig, ModelRunner
 from engine.transport import Transport
@@ -30,9 +31,10 @@ REALISTIC_STEP_S = 0.015
 
 
 def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_size: int = 16,
-                 step_delay_s: float = 0.0, transport: Transport | None = None) -> tuple[RunningServer, ModelRunner]:
+                 step_delay_s: float = 0.0, transport: Transport | None = None,
+                 tracing: Tracing | None = None) -> tuple[RunningServer, ModelRunner]:
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu"))
-    servicer = target_server.create_servicer(runner)
+    servicer = target_server.create_servicer(runner, tracing=tracing)
     if step_delay_s:
         step = servicer.Step
 
@@ -45,10 +47,10 @@ def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_si
                         transport=transport), runner
 
 
-def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0,
-                transport: Transport | None = None) -> tuple[RunningServer, ModelRunner]:
+def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0, transport: Transport | None = None,
+                tracing: Tracing | None = None) -> tuple[RunningServer, ModelRunner]:
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=16, device="cpu"))
-    servicer = draft_server.create_servicer(runner)
+    servicer = draft_server.create_servicer(runner, tracing=tracing)
     return start_server(lambda s: draft_server.register(s, servicer), draft_server.SERVICE_NAME, port,
                         transport=transport), runner
 
