@@ -345,6 +345,8 @@ def test_container_args_parse_with_the_real_clis(rendered):
         assert grace >= a.grace_seconds + 5, f"{comp}: terminationGracePeriodSeconds {grace} leaves no room " \
                                              f"after --grace-seconds {a.grace_seconds}"
     assert args["draft"].sparse_top_n >= 1
+    for comp, a in args.items():  # a cluster's log collector gets JSON lines naming each request
+        assert a.log_format == "json" and not a.otlp_traces_endpoint, f"{comp}: JSON logs; tracing opt-in"
 
     r = args["router"]
     assert r.host == "0.0.0.0"
