@@ -96,19 +96,20 @@ class StepTrace:
     def __init__(self, tracer: trace.Tracer, plan: StepPlan | None, number: int) -> None:
         self.tracer = tracer
         self.spans: dict[int, trace.Span] = {}
+        self.batch = {"tandem.step": number}  # the batch's figures go on its calls' spans, once
         if plan is None:
             return
-        common = {"tandem.step": number, "tandem.batch.sequences": len(plan.decodes) + len(plan.chunks),
-                  "tandem.batch.tokens": plan.num_tokens}
-        for seq, k in plan.decodes:
-            self._open(seq, "decode", {**common, "tandem.k": k})
+        self.batch.update({"tandem.batch.sequences": len(plan.decodes) + len(plan.chunks),
+                           "tandem.batch.tokens": plan.num_tokens})
+        for seq, _ in plan.decodes:
+            self._open(seq, "decode", None)
         for c in plan.chunks:
-            self._open(c.seq, "prefill_chunk", {**common, "tandem.chunk.start": c.start, "tandem.chunk.end": c.end,
+            self._open(c.seq, "prefill_chunk", {"tandem.chunk.start": c.start, "tandem.chunk.end": c.end,
                                                 "tandem.chunk.last": c.emit})
 
-    def _open(self, seq: Sequence, name: str, attributes: dict) -> None:
+    def _open(self, seq: Sequence, name: str, attributes: dict | None) -> None:
         request = seq.stats.trace
-        if request is not None:
+        if request is not None and request.span.is_recording():  # an unsampled request costs nothing per step
             self.spans[seq.seq_id] = self.tracer.start_span(name, context=request.context, attributes=attributes)
 
     # ---- the batched calls ---------------------------------------------------------------------
@@ -117,19 +118,17 @@ class StepTrace:
         """A CLIENT span for one call serving seqs: the child of the first one's step span, linked
         both ways with the others'. Yields the gRPC metadata that carries it to the service."""
         spans = [s for s in (self._span_of(seq) for seq in seqs) if s is not None]
-        spans.sort(key=lambda s: not s.is_recording())  # a sampled parent when there is one
-        if not spans:
+        if not spans:  # no sampled request in the call: the services trace nothing either
             yield ()
             return
         service, rpc_method = method.rsplit("/", 1)
         span = self.tracer.start_span(
             method, context=trace.set_span_in_context(spans[0]), kind=SpanKind.CLIENT,
             links=[Link(s.get_span_context()) for s in spans[1:]],
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc_method,
-                        "tandem.batch.sequences": len(seqs)})
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc_method, **self.batch,
+                        "tandem.call.sequences": len(seqs)})
         for other in spans[1:]:
-            if other.is_recording():
-                other.add_link(span.get_span_context())
+            other.add_link(span.get_span_context())
         try:
             yield inject(span)
         except BaseException as err:
@@ -140,11 +139,13 @@ class StepTrace:
             span.end()
 
     def _span_of(self, seq: Sequence) -> trace.Span | None:
-        """Its step span in this step; a sequence the step does not carry gets its request span."""
-        span = self.spans.get(seq.seq_id)
-        if span is None and seq.stats.trace is not None:
-            span = seq.stats.trace.span
-        return span
+        """Its step span in this step, else (a sequence the step does not carry, a step that already
+        failed) its request span; None when neither is recording (unsampled, or ended)."""
+        request = seq.stats.trace
+        for span in (self.spans.get(seq.seq_id), request.span if request is not None else None):
+            if span is not None and span.is_recording():
+                return span
+        return None
 
     @contextmanager
     def target_call(self, plan: StepPlan) -> Iterator[Metadata]:

@@ -158,8 +158,8 @@ def test_a_batched_step_links_every_request_it_served_both_ways(traced):
         assert own.name in STEP_SPANS and own.context.trace_id == call.context.trace_id
 
 
-def test_tracing_off_makes_no_span_objects(model_pair, monkeypatch):
-    """With tracing off, the step path makes no span object at all, recording or not."""
+def count_spans(monkeypatch) -> list[str]:  # noqa: ANN001
+    """The class name of every span object made from now on, recording or not, in any thread."""
     from opentelemetry import trace
     from opentelemetry.sdk import trace as sdk_trace
 
@@ -172,6 +172,26 @@ def test_tracing_off_makes_no_span_objects(model_pair, monkeypatch):
             __init(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, "__init__", counting)
+    return made
+
+
+def test_an_unsampled_request_costs_no_span_per_step(traced, monkeypatch):
+    """A caller that does not sample (traceparent flags 00): a few spans for the request, none per
+    step in the router, and no trace context sent on, so the services make none."""
+    router, exporters = traced
+    made = count_spans(monkeypatch)
+    out = post(router.url, [2, 7, 1, 8, 2, 8, 1, 8], 24, headers={"traceparent": f"00-{'5' * 32}-{CALLER_SPAN}-00"})
+    assert out["usage"]["completion_tokens"] == 24
+    assert wait_until(lambda: all(lane.draft.idle for lane in router.server.engine.lanes.values()))
+    assert set(made) == {"NonRecordingSpan"} and len(made) <= 4, made  # HTTP, tandem.request, queue (twice at most)
+    assert not [s for s in finished(exporters) if s.context.trace_id == int("5" * 32, 16)]
+
+
+def test_tracing_off_makes_no_span_objects(model_pair, monkeypatch):
+    """With tracing off, the step path makes no span object at all, recording or not."""
+    from opentelemetry.sdk import trace as sdk_trace
+
+    made = count_spans(monkeypatch)
     with running_stack(model_pair, config()) as s:
         out = post(s["router"].url, [9, 8, 7, 6, 5, 4, 3, 2], 16, headers={"traceparent": f"00-{CALLER_TRACE}-"
                                                                                            f"{CALLER_SPAN}-01"})
