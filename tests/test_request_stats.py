@@ -58,6 +58,15 @@ def http_whole(url: str, i: int) -> tuple[dict, dict]:
     return usage, usage["tandem_metrics"]
 
 
+def http_chat(url: str, i: int) -> tuple[dict, dict]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "def f(x):" * (i + 1)}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "tandem_metrics": True}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    return usage, usage["tandem_metrics"]
+
+
 def http_stream(url: str, i: int) -> tuple[dict, dict]:
     """Asking for tandem_metrics is enough to get the final usage chunk."""
     with httpx.stream("POST", f"{url}/v1/completions", json=body(i, stream=True, tandem_metrics=True),
@@ -85,7 +94,7 @@ def test_per_request_figures_add_up_to_the_aggregate_counters(router):
     before = scrape(router.url)
     calls = [lambda i: http_whole(router.url, i), lambda i: http_stream(router.url, i),
              lambda i: grpc_call(router.grpc_address, i, streaming=False),
-             lambda i: grpc_call(router.grpc_address, i, streaming=True)]
+             lambda i: grpc_call(router.grpc_address, i, streaming=True), lambda i: http_chat(router.url, i)]
     with cf.ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(lambda i: calls[i % len(calls)](i), range(len(PROMPT_LENGTHS))))
     after = scrape(router.url)
