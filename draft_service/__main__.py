@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from common.cli import env_settable
+from common.tracing import tracing_from_args
 from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N
 from draft_service.server import SERVICE_NAME, create_servicer, register
 from engine.service import add_model_args, load_runner, serve
@@ -44,9 +45,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m draft_service") -
         parser.error("--max-draft-tokens must be >= 0")
     transport = transport_from_args(args)  # unusable certificate files fail in seconds, not after the load
     runner = load_runner(args)
-    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.sparse_top_n, args.sparse_q_mass)
-    asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
-                      args.grace_seconds, transport=transport))
+    tracing = tracing_from_args(args, "tandem-draft")
+    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.sparse_top_n, args.sparse_q_mass,
+                               tracing)
+    try:
+        asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
+                          args.grace_seconds, transport=transport))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # export what is still buffered
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from common.tracing import Tracing
 from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N, BranchSpec, DraftRequest, Proposer, SparseQ
 from engine.runner import ModelRunner, SeqInput
 from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
@@ -13,10 +14,14 @@ SERVICE_NAME = "tandem.v1.DraftService"
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    rpc_service = SERVICE_NAME
+
     def __init__(self, runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
-                 sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS) -> None:
+                 sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS,
+                 tracing: Tracing | None = None) -> None:
         self.worker = ModelWorker(runner, model_id, max_draft_tokens)
         self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n, sparse_q_mass)
+        self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
 
     @rpc_errors
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
@@ -82,8 +87,9 @@ def _dists(qs: list[SparseQ]) -> list[common_pb2.SparseDist]:
 
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
-                    sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS) -> DraftServicer:
-    return DraftServicer(runner, model_id, max_draft_tokens, sparse_top_n, sparse_q_mass)
+                    sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS,
+                    tracing: Tracing | None = None) -> DraftServicer:
+    return DraftServicer(runner, model_id, max_draft_tokens, sparse_top_n, sparse_q_mass, tracing)
 
 
 def register(server: grpc.aio.Server, servicer: DraftServicer) -> None:

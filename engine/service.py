@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import functools
 import logging
 import signal
@@ -20,15 +21,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.logs import add_log_args, setup_logging
 from common.protocol import CACHE_MISS_METADATA, NOT_OWNER_METADATA, PROTOCOL
 from common.reload import reload_on_sighup
 from common.sampling import SamplingParams
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
+from common.tracing import add_tracing_args
 from engine.attention import uses_flash
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
 from engine.lease import LeaseKeeper, NotOwner
 from engine.parallel import SINGLE, TensorParallel
+from engine.rpc_trace import annotate, on_model_thread, rpc_scope
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import SamplingSpec, validate_sampling
 from engine.transport import Transport, add_transport_args, open_ports
@@ -69,6 +73,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, how long the step in flight may take to finish")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING")
+    add_log_args(parser)
+    add_tracing_args(parser)
     add_transport_args(parser)
 
 
@@ -107,7 +113,7 @@ def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
                 config: EngineConfig | None = None) -> ModelRunner:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     reload_on_sighup()  # already while the model loads; serve() hands it to its event loop
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,8 +142,9 @@ class ModelWorker:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         self.in_flight += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
+        try:  # in a copy of the caller's context: its log fields and trace span reach the thread
+            call = on_model_thread(functools.partial(fn, *args))
+            return await asyncio.get_running_loop().run_in_executor(self._thread, contextvars.copy_context().run, call)
         finally:
             self.in_flight -= 1
 
@@ -167,30 +174,40 @@ class ModelWorker:
 
 
 def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Map engine exceptions to gRPC status codes; nothing but the failing call is affected."""
+    """Map engine exceptions to gRPC status codes; nothing but the failing call is affected.
+    Each call logs with its sequences' ids and is traced when its caller traces (engine.rpc_trace)."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
-        try:
-            return await method(self, request, context)
-        except InvalidInput as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except CacheMiss as e:
-            context.set_trailing_metadata(((CACHE_MISS_METADATA, ",".join(map(str, e.seq_ids))),))
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except NotOwner as e:
-            context.set_trailing_metadata(((NOT_OWNER_METADATA, e.owner),))
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except KVCacheExhausted as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except DeadlineExpired as e:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-        except grpc.aio.AbortError:
-            raise
-        except Exception:  # a bug or a fault: the caller gets a short answer, the log the whole story
-            log_id = uuid.uuid4().hex[:12]
-            log.exception("%s failed [log id %s]", method.__name__, log_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})")
+        name = f"{getattr(self, 'rpc_service', type(self).__name__)}/{method.__name__}"
+        with rpc_scope(getattr(self, "tracing", None), name, request, context) as span:
+            try:
+                response = await method(self, request, context)
+                annotate(span, response)
+                return response
+            except InvalidInput as e:
+                log.warning("%s refused: %s", name, e)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except CacheMiss as e:
+                log.info("%s: %s", name, e)
+                context.set_trailing_metadata(((CACHE_MISS_METADATA, ",".join(map(str, e.seq_ids))),))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except NotOwner as e:
+                log.info("%s: %s", name, e)
+                context.set_trailing_metadata(((NOT_OWNER_METADATA, e.owner),))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except KVCacheExhausted as e:
+                log.warning("%s: %s", name, e)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except DeadlineExpired as e:
+                log.info("%s: %s", name, e)
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            except grpc.aio.AbortError:
+                raise
+            except Exception:  # a bug or a fault: the caller gets a short answer, the log the whole story
+                log_id = uuid.uuid4().hex[:12]
+                log.exception("%s failed [log id %s]", name, log_id)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})")
         raise AssertionError("unreachable")  # abort() raises
 
     return wrapper

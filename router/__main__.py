@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 
 from common.cli import env_settable
+from common.logs import add_log_args, setup_logging
 from common.tls import TLSError
+from common.tracing import add_tracing_args, tracing_from_args
 from router.config import RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
@@ -16,6 +19,7 @@ from router.lanes import IncompatibleLimits
 from router.replicas import IncompatibleTarget
 from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
+from router.tracing import RouterTracer
 
 
 def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
@@ -61,6 +65,8 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
                         "lets others take its replicas, and the replicas free its KV, after this long")
     p.add_argument("--startup-wait", type=float, default=300.0, help="how long to wait for the target at start (s)")
     p.add_argument("--log-level", default="INFO")
+    add_log_args(p)
+    add_tracing_args(p)
     add_security_args(p)
     return env_settable(p)
 
@@ -77,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
     args = build_parser(prog).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
         security = security_from_args(args)
@@ -90,11 +96,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
     endpoints = Endpoints(target=args.target, draft=args.draft, tokenizer_dir=args.tokenizer,
                           model_name=args.served_model_name or Path(args.tokenizer).resolve().name,
                           host=args.host, http_port=args.port, grpc_port=args.grpc_port)
+    tracing = tracing_from_args(args, "tandem-router")
+    if tracing is not None:
+        config = dataclasses.replace(config, tracer=RouterTracer(tracing))
     try:
         main_sync(config, endpoints, args.startup_wait, security)
     except (IncompatibleDraft, IncompatibleTarget, IncompatibleLimits, ServiceUnavailable) as err:
         logging.getLogger("router").error("%s", err)
         return 1
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # export what is still buffered
     return 0
 
 

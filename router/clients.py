@@ -105,9 +105,12 @@ class _Client:
         self._retiring[task] = old
         task.add_done_callback(self._retiring.pop)
 
-    async def _call(self, method, request, timeout_s: float | None = None):  # noqa: ANN001, ANN202
+    async def _call(self, method, request, timeout_s: float | None = None,  # noqa: ANN001, ANN202
+                    metadata: tuple[tuple[str, str], ...] | None = None):
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+            if metadata and self._metadata:
+                metadata = self._metadata + metadata
+            return await method(request, timeout=timeout_s or self.timeout_s, metadata=metadata or self._metadata)
         except grpc.aio.AioRpcError as err:
             raise _translate(err) from None
 
@@ -133,8 +136,10 @@ class _Client:
 class TargetClient(_Client):
     _stub_class = target_pb2_grpc.TargetServiceStub
 
-    async def step(self, entries: list[target_pb2.StepEntry]) -> target_pb2.StepResponse:
-        return await self._call(self.stub.Step, target_pb2.StepRequest(entries=entries))
+    async def step(self, entries: list[target_pb2.StepEntry],
+                   metadata: tuple[tuple[str, str], ...] | None = None) -> target_pb2.StepResponse:
+        """metadata: the trace context, when tracing."""
+        return await self._call(self.stub.Step, target_pb2.StepRequest(entries=entries), metadata=metadata)
 
 
 class DraftClient(_Client):
@@ -143,5 +148,6 @@ class DraftClient(_Client):
     async def sync(self, chunks: list[draft_pb2.Chunk]) -> draft_pb2.SyncResponse:
         return await self._call(self.stub.Sync, draft_pb2.SyncRequest(chunks=chunks))
 
-    async def propose(self, entries: list[draft_pb2.ProposeEntry]) -> draft_pb2.ProposeResponse:
-        return await self._call(self.stub.Propose, draft_pb2.ProposeRequest(entries=entries))
+    async def propose(self, entries: list[draft_pb2.ProposeEntry],
+                      metadata: tuple[tuple[str, str], ...] | None = None) -> draft_pb2.ProposeResponse:
+        return await self._call(self.stub.Propose, draft_pb2.ProposeRequest(entries=entries), metadata=metadata)

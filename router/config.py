@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from common.tls import ClientTLS
+    from router.tracing import RouterTracer
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class RouterConfig:
     draft_retry_s: float = 1.0  # first reconnect backoff for a lost draft (doubles up to 30 s)
     target_tls: ClientTLS | None = None  # TLS to the target replicas (router.security); None: plaintext
     draft_tls: ClientTLS | None = None
+    tracer: RouterTracer | None = None  # OpenTelemetry spans (router.tracing); None: tracing off
     lease_ttl_s: float = 10.0  # a replica this router stops renewing is freed for others after this long
     router_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}")
 

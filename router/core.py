@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from common.sampling import InvalidField, SamplingParams
+from router.request_stats import RequestStats
 from router.spec_policy import AcceptanceTracker
 from router.speculation import Prepared
 from tandem.v1 import common_pb2
@@ -47,6 +48,7 @@ class Request:
     logprobs: int | None = None  # top-n alternatives per token; None = no logprobs
     max_speculative_tokens: int | None = None  # per-request cap on k; 0 = no speculation
     ignore_eos: bool = False
+    tandem_metrics: bool = False  # report this request's figures (router.request_stats) with its usage
 
     @cached_property
     def sampling_proto(self) -> common_pb2.SamplingParams:
@@ -116,6 +118,7 @@ class Sequence:
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     next_k: int = 0  # desired k for this sequence's next proposal
     num_preemptions: int = 0
+    stats: RequestStats = field(default_factory=RequestStats)  # its timeline and speculation figures
     first_token_time: float | None = None
     last_token_time: float | None = None
     outputs: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
@@ -136,3 +139,4 @@ class Sequence:
         self.draft_stream = []
         self.prepared = []
         self.cache_epoch += 1
+        self.stats.queued()  # the callers put it back in a queue

@@ -21,13 +21,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.clients import CacheMissError, DraftClient, NotOwner, Rejected, ServiceDown, ServiceError
 from router.core import Sequence
 from router.metrics import Metrics
 from router.speculation import OutcomeStats, Prepared
 from tandem.v1 import common_pb2, draft_pb2
+
+if TYPE_CHECKING:
+    from router.tracing import StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -173,24 +178,26 @@ class DraftLane:
                 task.cancel()
 
     # ---- calls ---------------------------------------------------------------------------------
-    def launch(self, work: DraftWork) -> None:
-        """Run the call in the background (one at a time); its results land on the sequences."""
+    def launch(self, work: DraftWork, trace: StepTrace | None = None) -> None:
+        """Run the call in the background (one at a time); its results land on the sequences.
+        trace: the step it was planned for, when tracing (its spans parent the call's)."""
         assert self.idle
         if self.up and work.entries:
-            self._call = asyncio.create_task(self.run(work))
+            self._call = asyncio.create_task(self.run(work, trace))
 
     async def wait(self) -> None:
         if not self.idle:
             await asyncio.shield(self._call)
 
-    async def run(self, work: DraftWork) -> float:
+    async def run(self, work: DraftWork, trace: StepTrace | None = None) -> float:
         """The call, awaited (sequential mode uses it directly). Returns its wall time in ms."""
         if not self.up or not work.entries:
             return 0.0
         assert self.client is not None
         t0 = time.perf_counter()
         try:
-            response = await self.client.propose(work.entries)
+            with trace.draft_call(work.seqs) if trace is not None else nullcontext(None) as metadata:
+                response = await self.client.propose(work.entries, metadata)
             ms = (time.perf_counter() - t0) * 1000
             self.on_cost(work, ms)
             self._apply(work, response)

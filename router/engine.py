@@ -14,6 +14,8 @@ import random
 import time
 from pathlib import Path
 
+from opentelemetry.context import Context
+
 from common.protocol import MAX_LOGPROBS
 from common.sampling import SamplingParams
 from common.tokenizer import tokenizer_fingerprint
@@ -35,6 +37,7 @@ from router.lanes import Lane, choose_lane
 from router.metrics import Metrics
 from router.output import OutputBuilder
 from router.replicas import Replicas
+from router.request_stats import about
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -146,8 +149,9 @@ class RouterEngine:
             raise RequestError("max_speculative_tokens", "must be >= 0")
         return req.max_tokens if req.max_tokens is not None else limit - n
 
-    def submit(self, req: Request) -> RequestStream:
-        """Validate and queue a request (synchronous: raises before anything is queued)."""
+    def submit(self, req: Request, trace_parent: Context | None = None) -> RequestStream:
+        """Validate and queue a request (synchronous: raises before anything is queued).
+        trace_parent: the caller's span, when tracing (None: the current context's)."""
         max_tokens = self.validate(req)
         if not self.ready:
             raise ServiceUnavailable("not ready: the target service is unavailable")
@@ -161,6 +165,10 @@ class RouterEngine:
         seq = Sequence(seq_id=next(self._ids), request=req, tokens=list(req.prompt_ids), num_prompt=len(req.prompt_ids),
                        output=OutputBuilder(self.codec.tokenizer, req, eos, max_tokens), lane=lane)
         self._seqs[seq.seq_id] = seq
+        if self.config.tracer is not None:
+            seq.stats.trace = self.config.tracer.request(seq, trace_parent)
+        log.debug("queued on %s: %d prompt tokens, max_tokens %d", lane.name, len(req.prompt_ids), max_tokens,
+                  extra=about(seq))
         lane.scheduler.add(seq)
         self.metrics.replica_assigned.labels(replica=lane.name).inc()
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -194,9 +202,9 @@ class RouterEngine:
         if seq.finished:
             return
         seq.outputs.put_nowait(seq.output.abort(reason, error))
-        self._done(seq, reason)
+        self._done(seq, reason, error)
 
-    def _done(self, seq: Sequence, reason: FinishReason) -> None:
+    def _done(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
         seq.finished = True
         seq.status = SeqStatus.FINISHED
         lane = seq.lane
@@ -206,4 +214,10 @@ class RouterEngine:
         lane.to_release.append(seq.seq_id)
         self.metrics.requests.labels(finish_reason=reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - seq.arrival)
+        self.metrics.queue_time.observe(seq.stats.finished())
+        if seq.stats.trace is not None:
+            seq.stats.trace.finish(seq, reason, error)
+        log.debug("finished (%s): %d prompt + %d output tokens in %.3fs, %.3fs queued", reason.value,
+                  seq.num_prompt, seq.num_output, time.monotonic() - seq.arrival, seq.stats.queued_seconds,
+                  extra=about(seq))
         lane.wake.set()

@@ -8,9 +8,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.logs import bind
 from common.sampling import SamplingParams
+from common.tracing import extract
 from router.core import Delta, Overloaded, Request, RequestError, ServiceUnavailable
 from router.engine import RequestStream, RouterEngine
+from router.request_stats import report
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.Generate"
@@ -44,14 +47,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, stop=tuple(msg.stop),
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
             max_speculative_tokens=msg.max_speculative_tokens if msg.HasField("max_speculative_tokens") else None,
-            ignore_eos=msg.ignore_eos,
+            ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics,
         )
 
     async def _submit(self, msg: generate_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext) -> tuple[Request, RequestStream]:
         try:
             req = await self._request(msg)
-            return req, self.engine.submit(req)
+            bind(request_id=req.request_id)  # this RPC's task: every line it logs from here on
+            parent = extract(context.invocation_metadata() or ()) if self.engine.config.tracer else None
+            return req, self.engine.submit(req, parent)
         except (RequestError, Overloaded, ServiceUnavailable) as err:
             await context.abort(*_status(err))
         raise AssertionError("unreachable")
@@ -62,7 +67,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         try:
             async for delta in stream:
                 await _check(delta, context)
-                yield _response(req, [delta])
+                yield _response(req, [delta], stream)
         finally:
             await stream.aclose()  # cancelled call: frees the sequence in both services
 
@@ -76,7 +81,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 deltas.append(delta)
         finally:
             await stream.aclose()
-        return _response(req, deltas)
+        return _response(req, deltas, stream)
 
 
 async def _check(delta: Delta, context: grpc.aio.ServicerContext) -> None:
@@ -84,8 +89,10 @@ async def _check(delta: Delta, context: grpc.aio.ServicerContext) -> None:
         await context.abort(*_status(delta.error))
 
 
-def _response(req: Request, deltas: list[Delta]) -> generate_pb2.GenerateResponse:
+def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> generate_pb2.GenerateResponse:
     last = deltas[-1] if deltas else None
+    final = last is not None and last.finish_reason is not None
+    metrics = generate_pb2.RequestMetrics(**report(stream.seq)) if final and req.tandem_metrics else None
     lps = [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                    top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
            for d in deltas for lp in (d.logprobs or [])]
@@ -94,6 +101,7 @@ def _response(req: Request, deltas: list[Delta]) -> generate_pb2.GenerateRespons
         token_ids=[t for d in deltas for t in d.token_ids], logprobs=lps,
         finish_reason=last.finish_reason.value if last and last.finish_reason else "",
         prompt_tokens=len(req.prompt_ids), completion_tokens=last.completion_tokens if last else 0,
+        tandem_metrics=metrics,
     )
 
 

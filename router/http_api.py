@@ -8,6 +8,7 @@ and every prompt is tokenized on the codec's thread pool."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -19,10 +20,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from common.logs import bind
 from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
 from router.engine import RequestStream, RouterEngine
 from router.openai_format import ChatFormat, CompletionFormat
 from router.openai_types import ChatBody, CompletionBody
+from router.request_stats import report
+from router.tracing import RouterTracer
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +113,8 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
-    app = FastAPI(title="Tandem", description="Speculative decoding with chunked prefill, as a service")
+    app = FastAPI(title="Tandem", description="Speculative decoding with chunked prefill, as a service",
+                  telemetry=_telemetry(engine.config.tracer))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -158,6 +163,9 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             return error_response(e)
 
     async def respond(request: Request, body, stream: RequestStream, fmt) -> Response:  # noqa: ANN001
+        bind(request_id=stream.seq.request.request_id)  # every line this request's task logs from here on
+        if stream.seq.request.tandem_metrics:
+            fmt.metrics = functools.partial(report, stream.seq)
         if body.stream:
             return StreamingResponse(sse(fmt, stream, body.include_usage), media_type="text/event-stream")
         return await collect(request, fmt, stream)
@@ -222,6 +230,15 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _telemetry(tracer: RouterTracer | None) -> dict:
+    """FastAPI's own spans (one per HTTP request, the parent of tandem.request) only when tracing,
+    with the router's provider; probes and scrapes are left out."""
+    if tracer is None:
+        return {"tracing": False, "metrics": False, "logs": False}
+    return {"tracer_provider": tracer.tracing.provider, "metrics": False, "logs": False, "operation_spans": False,
+            "exclude": lambda scope: scope.get("path") in ("/metrics", "/health", "/ready")}
 
 
 def _describe(errors: list[dict]) -> tuple[str, str]:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
 from router.core import FinishReason, InternalError, Sequence, TokenLogprob
 from router.drafting import DraftLane
 from router.metrics import Metrics
+from router.request_stats import about, dispatched
 from router.scheduler import Scheduler, StepPlan
 from router.speculator import Speculator
 from tandem.v1 import target_pb2
@@ -45,6 +47,8 @@ class StepLoop:
         self._pending_release: list[int] = []
         self._suspects: list[Sequence] = []  # the sequences of a step the target failed, each retried alone
         self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
+        self._busy = metrics.target_busy.labels(replica=target.address)
+        self.tracer = config.tracer
 
     # ---- one iteration ---------------------------------------------------------------------------
     async def release_now(self, seq_ids: list[int]) -> None:
@@ -68,7 +72,7 @@ class StepLoop:
         if plan.preempted:
             for seq in plan.preempted:
                 self.metrics.preemptions.inc()
-                log.info("preempted seq %d (%d tokens) for recompute", seq.seq_id, len(seq.tokens))
+                log.info("preempted seq %d (%d tokens) for recompute", seq.seq_id, len(seq.tokens), extra=about(seq))
             await self.release_now([s.seq_id for s in plan.preempted])  # their blocks must be free for this step
         if plan.empty and only is not None:
             self._suspects.remove(only)  # it cannot run now (preempted, waiting): it is no longer a suspect
@@ -76,17 +80,20 @@ class StepLoop:
         if plan.empty:
             if self.draft.up and self.draft.idle:
                 work = self.spec.waiting_work()
-                self.draft.launch(work)
+                self.draft.launch(work, self.tracer.step(None, self.steps) if self.tracer is not None else None)
                 return bool(work.entries) or draft_ms > 0
             return draft_ms > 0
         entries, sent = self._entries(plan)
+        dispatched(plan)
+        trace = self.tracer.step(plan, self.steps) if self.tracer is not None else None
         if self.draft.up and self.draft.idle:
-            self.draft.launch(self.spec.step_work(plan, sent))
+            self.draft.launch(self.spec.step_work(plan, sent), trace)
         t_target = time.perf_counter()
         try:
-            response = await self.target.step(entries)
+            with trace.target_call(plan) if trace is not None else nullcontext(None) as metadata:
+                response = await self.target.step(entries, metadata)
         except CacheMissError as err:
-            log.warning("target lost the cache of %s: recomputing them", err.seq_ids)
+            log.warning("target lost the cache of %s: recomputing them", err.seq_ids, extra={"seq_ids": err.seq_ids})
             for seq in self.scheduler.running:
                 if seq.seq_id in err.seq_ids:
                     seq.target_cached = 0
@@ -106,6 +113,8 @@ class StepLoop:
         target_wall_ms = (time.perf_counter() - t_target) * 1000
         self._apply(plan, sent, response)
         self._record(plan, response, draft_ms, target_wall_ms, t_start)
+        if trace is not None:
+            trace.end(plan, sent, response, self.spec, self.draft.up)
         return True
 
     def _entries(self, plan: StepPlan) -> tuple[list[target_pb2.StepEntry], list[list[int]]]:
@@ -138,6 +147,7 @@ class StepLoop:
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
             k = len(drafts)
             seq.tracker.update(k, res.num_accepted)
+            seq.stats.verified(k, res.num_accepted)
             if k:
                 self.metrics.num_drafts.inc()
                 self.metrics.num_draft_tokens.inc(k)
@@ -166,17 +176,20 @@ class StepLoop:
         self.metrics.step_tokens.observe(tokens)
         total_ms = (time.perf_counter() - t_start) * 1000
         self._parts["target"].observe(response.forward_ms / 1000)
+        self._busy.inc(response.forward_ms / 1000)
         self._parts["draft"].observe(draft_ms / 1000)
         self._parts["router"].observe(max(0.0, total_ms - response.forward_ms - draft_ms) / 1000)
         if self.draft.up:
             for seq, _ in plan.decodes:
-                if seq.next_k > 0:
-                    self.metrics.pipeline_lookups.inc()
-                    if self.spec.matched.get(seq.seq_id, ([], []))[0]:
-                        self.metrics.pipeline_hits.inc()
-                    else:
-                        self.metrics.pipeline_misses.labels(reason="late" if seq.seq_id in self.spec.late
-                                                            else "wrong").inc()
+                outcome = self.spec.pipeline_outcome(seq)
+                if outcome is None:
+                    continue
+                self.metrics.pipeline_lookups.inc()
+                if outcome == "hit":
+                    self.metrics.pipeline_hits.inc()
+                else:
+                    self.metrics.pipeline_misses.labels(reason=outcome).inc()
+                seq.stats.pipeline[outcome] += 1
 
     def _next_suspect(self) -> Sequence | None:
         while self._suspects and (self._suspects[0].finished or self._suspects[0] not in self.scheduler.running):

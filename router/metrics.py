@@ -18,6 +18,8 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Request latency", registry=r,
                              buckets=_LATENCY_BUCKETS)
+        self.queue_time = Histogram("tandem:request_queue_time_seconds", "Time a request waited for its first "
+                                    "step (and again after preemptions)", registry=r, buckets=_LATENCY_BUCKETS)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("tandem:requests", "Finished requests", ["finish_reason"], registry=r)
@@ -33,6 +35,8 @@ class Metrics:
                                    "waiting for the draft after the target answered), router = the rest (router "
                                    "Python, gRPC and the services' own request handling)", ["part"], registry=r,
                                    buckets=_LATENCY_BUCKETS)
+        self.target_busy = Counter("tandem:target_busy_seconds", "Seconds of target forward passes, per replica "
+                                   "(its rate is the fraction of time the replica computes)", ["replica"], registry=r)
         self.step_tokens = Histogram("tandem:step_tokens", "Tokens scored per target step", registry=r,
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
         self.num_drafts = Counter("tandem:spec_decode_num_drafts", "Verifications with k > 0", registry=r)

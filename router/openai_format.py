@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from router.core import Delta, FinishReason, Request
 
@@ -31,9 +33,17 @@ class CompletionFormat:
     object_name = "text_completion"
     chunk_name = "text_completion"
 
-    def __init__(self, decode, model: str, req: Request, token_ids: bool) -> None:  # noqa: ANN001
+    def __init__(self, decode, model: str, req: Request, token_ids: bool,  # noqa: ANN001
+                 metrics: Callable[[], dict[str, Any]] | None = None) -> None:
         self.decode, self.model, self.req, self.created = decode, model, req, int(time.time())
         self.token_ids = token_ids
+        self.metrics = metrics  # usage.tandem_metrics, read when the usage is written
+
+    def _usage(self, last: Delta) -> dict:
+        usage = _usage(last)
+        if self.metrics is not None:
+            usage["tandem_metrics"] = self.metrics()
+        return usage
 
     def _with_ids(self, choice: dict, deltas: list[Delta]) -> dict:
         if self.token_ids:
@@ -60,11 +70,11 @@ class CompletionFormat:
         return self._base([self._with_ids(self._choice([d], True), [d])], self.chunk_name)
 
     def usage_chunk(self, last: Delta) -> dict:
-        return {**self._base([], self.chunk_name), "usage": _usage(last)}
+        return {**self._base([], self.chunk_name), "usage": self._usage(last)}
 
     def whole(self, deltas: list[Delta]) -> dict:
         return {**self._base([self._with_ids(self._choice(deltas, False), deltas)], self.object_name),
-                "usage": _usage(deltas[-1])}
+                "usage": self._usage(deltas[-1])}
 
 
 class ChatFormat(CompletionFormat):

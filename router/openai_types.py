@@ -1,6 +1,6 @@
 """OpenAI-compatible request bodies (completions and chat), checked and turned into Requests.
 Extensions beyond OpenAI's fields: top_k, ignore_eos, max_speculative_tokens, typical_acceptance,
-return_token_ids. Sampling fields left out take the served model's defaults (generation_config.json)."""
+return_token_ids, tandem_metrics. Sampling fields left out take the served model's defaults (generation_config.json)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class _Common(BaseModel):
     max_speculative_tokens: StrictInt | None = None
     typical_acceptance: StrictBool = False
     return_token_ids: StrictBool = False  # extension: each choice also carries the generated token ids
+    tandem_metrics: StrictBool = False  # extension: usage.tandem_metrics, this request's figures (request_stats)
     user: StrictStr | None = None
 
     def _request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams, logprobs: int | None,
@@ -47,11 +48,12 @@ class _Common(BaseModel):
                                     seed=self.seed, typical_acceptance=self.typical_acceptance or None)
         return Request(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                        stop=tuple(stop), logprobs=logprobs, max_speculative_tokens=self.max_speculative_tokens,
-                       ignore_eos=self.ignore_eos)
+                       ignore_eos=self.ignore_eos, tandem_metrics=self.tandem_metrics)
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        """Streams end with a usage chunk: asked for, or where the asked-for tandem_metrics go."""
+        return bool(self.stream_options and self.stream_options.get("include_usage")) or self.tandem_metrics
 
 
 class CompletionBody(_Common):

@@ -87,7 +87,8 @@ class RouterServer:
         https = uvicorn_ssl(sec.public.files) if sec.public is not None else {}
         # keep-alive longer than clients' and load balancers' idle timeouts (60 s is common): a
         # server that closes an idle connection first races with the client's next request on it
-        self.http = _Uvicorn(uvicorn.Config(app, host=e.host, port=e.http_port, log_level="warning",
+        # log_config=None: uvicorn's lines go through the root logger, in the process's --log-format
+        self.http = _Uvicorn(uvicorn.Config(app, host=e.host, port=e.http_port, log_level="warning", log_config=None,
                                             timeout_graceful_shutdown=5, timeout_keep_alive=75, **https))
         if sec.public is not None:
             self._https_reload = asyncio.create_task(self._reload_https())

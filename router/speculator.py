@@ -78,6 +78,15 @@ class Speculator:
         # for its proposal instead of running at k = 0 while the draft works.
         return not (seq.request.reproducible and self.cap(seq) > 0 and not self.proposal(seq)[0])
 
+    def pipeline_outcome(self, seq: Sequence) -> str | None:
+        """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
+        late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
+        if seq.next_k <= 0:
+            return None
+        if self.matched.get(seq.seq_id, ([], []))[0]:
+            return "hit"
+        return "late" if seq.seq_id in self.late else "wrong"
+
     def new_step(self) -> None:
         self.matched.clear()
         self.late.clear()
@@ -160,5 +169,6 @@ class Speculator:
         for seq in lacking:
             if seq.next_k > 0:
                 work.add(seq, list(seq.tokens), seq.next_k, 0, seq.request.sampling_proto, [], self.draft.budget)
-        await self.draft.run(work)
+        tracer = self.config.tracer
+        await self.draft.run(work, tracer.step(None, -1) if tracer is not None and work.entries else None)
         return (time.perf_counter() - t0) * 1000

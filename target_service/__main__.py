@@ -7,6 +7,8 @@ import asyncio
 import logging
 
 from common.cli import env_settable
+from common.logs import setup_logging
+from common.tracing import tracing_from_args
 from engine.config import ModelConfig
 from engine.parallel import SINGLE, check_shardable
 from engine.runner import ModelRunner
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
         check_shardable(ModelConfig.from_dir(args.model), args.tensor_parallel_size)
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     config = rank_config(checked_engine_config(args), 0)
     followers = Followers.start(args.tensor_parallel_size, args.model, config, args.threads)
     runner = None
@@ -60,12 +62,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
 
 
 def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport) -> int:
-    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.fail_on_token)
+    tracing = tracing_from_args(args, "tandem-target")
+    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, tracing, args.fail_on_token)
     tp = runner.tp if runner.tp is not SINGLE else None
     log.info("target %s: max_draft_tokens %d%s", servicer.worker.model_id, args.max_draft_tokens,
              f"; tensor parallel over {tp.size} ranks" if tp else "")
-    asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
-                      args.grace_seconds, transport=transport))
+    try:
+        asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
+                          args.grace_seconds, transport=transport))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # export what is still buffered
     return 0
 
 

@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from common.protocol import MAX_LOGPROBS
+from common.tracing import Tracing
 from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.sampling import logprobs_of
 from engine.service import ModelWorker, call_deadline, rpc_errors, sampling_spec, still_wanted
@@ -43,10 +44,13 @@ class _Entry:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, worker: ModelWorker, fail_on_token: int = -1) -> None:
+    rpc_service = SERVICE_NAME
+
+    def __init__(self, worker: ModelWorker, tracing: Tracing | None = None, fail_on_token: int = -1) -> None:
         self.worker = worker
         self.fail_on_token = fail_on_token  # fault injection for tests: a Step starting a sequence with it fails
         self.runner: ModelRunner = worker.runner
+        self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
 
     # ---- RPCs -----------------------------------------------------------------------------
     @rpc_errors
@@ -205,8 +209,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
-                    fail_on_token: int = -1) -> TargetServicer:
-    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens), fail_on_token)
+                    tracing: Tracing | None = None, fail_on_token: int = -1) -> TargetServicer:
+    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens), tracing, fail_on_token)
 
 
 def register(server: grpc.aio.Server, servicer: TargetServicer) -> None:

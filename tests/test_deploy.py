@@ -46,6 +46,7 @@ GPU_RENDERS = ("deploy", "gpu", "cert-manager")
 CRD_GROUPS = ("cert-manager.io/",)  # custom resources: not in the Kubernetes schema (see test_cert_manager_objects)
 HEALTH_PORT = 50060  # plaintext health-only port of a TLS service (kubelet probes cannot speak TLS)
 EXTRA_MANIFESTS = ["deploy/tools/model-loader.yaml"]  # applied by hand (kubectl apply -f)
+DASHBOARD_CONFIGMAP = "tandem-grafana-dashboard"  # deploy/grafana (tests/test_dashboard.py checks its content)
 
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on PATH: cannot render deploy/ with "
                                    "`kubectl kustomize` (install the kubectl client; no cluster is needed)")
@@ -245,8 +246,9 @@ def test_expected_objects(rendered):
     for comp in COMPONENTS:
         expected |= {("Deployment", comp), ("Service", comp), ("PodDisruptionBudget", comp)}
     expected |= {("HorizontalPodAutoscaler", "router"), ("HorizontalPodAutoscaler", "target")}
+    expected |= {("ConfigMap", DASHBOARD_CONFIGMAP)}
     assert expected <= kinds, f"missing: {sorted(expected - kinds)}"
-    assert len(of_kind(objs, "ConfigMap")) == 1
+    assert len(of_kind(objs, "ConfigMap")) == 2  # the settings (tandem-config-HASH) and the dashboard
     assert not of_kind(objs, "ClusterRole") and not of_kind(objs, "ClusterRoleBinding")
     for o in objs:
         if o["kind"] != "Namespace":
@@ -254,6 +256,14 @@ def test_expected_objects(rendered):
 
 
 # ---- workloads -----------------------------------------------------------------------------------
+def test_the_grafana_dashboard_is_a_configmap_the_sidecar_picks_up(rendered):
+    _, objs = rendered
+    cm = one(objs, "ConfigMap", DASHBOARD_CONFIGMAP)
+    assert cm["metadata"]["labels"].get("grafana_dashboard") == "1", "the grafana sidecar's default label"
+    assert json.loads(cm["data"]["tandem-dashboard.json"]) == json.loads(
+        (DEPLOY / "grafana" / "tandem-dashboard.json").read_text())
+
+
 def test_deployment_selectors_match_their_own_pods_only(rendered):
     _, objs = rendered
     deps = of_kind(objs, "Deployment")
@@ -335,6 +345,8 @@ def test_container_args_parse_with_the_real_clis(rendered):
         assert grace >= a.grace_seconds + 5, f"{comp}: terminationGracePeriodSeconds {grace} leaves no room " \
                                              f"after --grace-seconds {a.grace_seconds}"
     assert args["draft"].sparse_top_n >= 1
+    for comp, a in args.items():  # a cluster's log collector gets JSON lines naming each request
+        assert a.log_format == "json" and not a.otlp_traces_endpoint, f"{comp}: JSON logs; tracing opt-in"
 
     r = args["router"]
     assert r.host == "0.0.0.0"

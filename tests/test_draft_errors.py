@@ -135,6 +135,9 @@ class _Context:
     def time_remaining(self) -> float | None:
         return self.remaining
 
+    def invocation_metadata(self) -> tuple:
+        return ()
+
     def set_trailing_metadata(self, metadata) -> None:
         pass
 

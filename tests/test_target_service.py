@@ -273,6 +273,9 @@ class _ExpiredContext:
     def time_remaining(self) -> float:
         return 0.0
 
+    def invocation_metadata(self) -> tuple:
+        return ()
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self.code = code
         raise _Aborted(details)
