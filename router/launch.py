@@ -12,6 +12,7 @@ all three: the router first, then the services, each given time to finish what i
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import ssl
@@ -83,6 +84,7 @@ class Stack:
     draft_port: int = 50053
     service_args: list[str] = field(default_factory=list)
     target_args: list[str] = field(default_factory=list)  # for the target only, after service_args
+    wrap: dict[str, list[str]] = field(default_factory=dict)  # command prefix per process, e.g. taskset
     router_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     log_dir: Path | None = None
@@ -115,8 +117,12 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT
-                                            if out else None, cwd=Path(__file__).resolve().parent.parent)
+        # Both model services share this machine's cores: OpenMP threads that spin while idle (its
+        # default) steal them from the other service; passive ones sleep.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+        self.procs[name] = subprocess.Popen([*self.wrap.get(name, []), sys.executable, "-m", *args], stdout=out,
+                                            stderr=subprocess.STDOUT if out else None, env=env,
+                                            cwd=Path(__file__).resolve().parent.parent)
 
     def start_service(self, name: str) -> None:
         port = self.target_port if name == "target" else self.draft_port
