@@ -45,11 +45,11 @@ else
 	TANDEM_E2E_MODELS=$(E2E_MODELS) $(VENV)/bin/pytest tests/e2e
 endif
 
-run: $(STUBS) models  ## build the demo models if absent, start target + draft + router (NO_DRAFT=1: target-only)
+run: $(STUBS) models-demo  ## build the demo models if absent, start target + draft + router (NO_DRAFT=1: target-only)
 	$(PY) -m router.launch --models models/demo $(if $(NO_DRAFT),--no-draft) \
 		--http-port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
 
-bench: $(STUBS) models  ## latency/throughput of every config vs transformers (~12-20 min; BENCH_ARGS=--quick: ~3)
+bench: $(STUBS) models-demo  ## latency/throughput of every config vs transformers (~12-20 min; BENCH_ARGS=--quick: ~3)
 	$(PY) -m bench $(BENCH_ARGS)
 
 OVERLAY ?= gpu
@@ -63,8 +63,11 @@ image:  ## build the container image (needs a Docker engine)
 clean:  ## remove generated stubs and caches (keeps .venv and models/)
 	rm -rf tandem .pytest_cache .ruff_cache
 
-.PHONY: models models-tiny
-models: $(STUBS)  ## build the demo draft/target pair into models/demo (cached; ~15 min the first time)
+.PHONY: models models-demo models-tiny
+models: $(STUBS)  ## build the SmolLM2 pair into models/smollm2 (cached; under 20 min the first time)
+	$(PY) -m model_zoo --out models/smollm2
+
+models-demo: $(STUBS)  ## build the stdlib-trained demo pair into models/demo (cached; ~15 min the first time)
 	$(PY) -m demo_models --variant full --out models/demo
 
 models-tiny: $(STUBS)  ## build the seconds-to-build tiny pair into models/tiny (used by tests)
