@@ -137,11 +137,12 @@ def test_smollm2_greedy_through_the_engine_equals_transformers(smollm2):
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                        tokenize=False) for c in chats]
     ids = [tok(p).input_ids for p in prompts]
-    got = generate(make_runner(str(target), 2048), ids, 24, batch=2, progress=False)
+    got = generate(make_runner(str(target), 2048), ids, 24, stop_ids=[tok.eos_token_id], batch=2, progress=False)
     model = AutoModelForCausalLM.from_pretrained(target).eval()
-    for g, p in zip(got, ids, strict=True):
+    for g, p in zip(got, ids, strict=True):  # transformers stops at <|im_end|> too (generation_config)
         want = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):]
         assert g.output == want.tolist(), tok.decode(g.output)
+    assert got[0].output[-1] == tok.eos_token_id and len(got[1].output) == 24  # one answer ends, one runs on
 
 
 @pytest.mark.slow
