@@ -58,6 +58,7 @@ class DraftSettings:
     gate_acceptance_k4: float
     gate_cost_ratio: float
     threads: int = 2
+    verify_target: bool = True  # against transformers' own GGUF load (tests check it on their own)
 
 
 VARIANTS: dict[str, DraftSettings] = {
@@ -121,6 +122,7 @@ VARIANTS: dict[str, DraftSettings] = {
         cost_repeats=5,
         gate_acceptance_k4=0.0,
         gate_cost_ratio=0.0,
+        verify_target=False,
     ),
 }
 
@@ -134,7 +136,7 @@ def settings_hash(settings: DraftSettings, source: str, corpus_fingerprint: str,
         "bf16": bf16,
         "versions": library_versions(),
     }
-    for key in ("labelling_max_seconds", "gate_acceptance_k4", "gate_cost_ratio"):  # not the recipe
+    for key in ("labelling_max_seconds", "gate_acceptance_k4", "gate_cost_ratio", "verify_target"):  # not the recipe
         payload["settings"].pop(key)
     payload["settings"]["train"].pop("max_seconds")
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
