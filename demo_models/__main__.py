@@ -34,14 +34,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train the full step schedule however long it takes (by default each training phase stops "
         "at a safety time cap so the build fits its budget on a slow or busy machine; the report says so)",
     )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="training precision (default auto: bf16 autocast only where the CPU has native bf16, "
+        "e.g. AVX-512 BF16 or AMX; fp32 elsewhere, where emulated bf16 is ~20x slower)",
+    )
+    p.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="install the pair even if it misses its quality gates (acceptance at k=4 >= 0.5, cost "
+        "ratio >= 8x for 'full'); by default such a build exits 1 and leaves OUT untouched",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from .build import build  # heavy imports after --help
+    from .build import BuildFailed, build  # heavy imports after --help
 
-    build(args.variant, args.out, force=args.force, time_caps=not args.no_time_cap)
+    try:
+        build(args.variant, args.out, force=args.force, time_caps=not args.no_time_cap,
+              precision=args.precision, allow_partial=args.allow_partial)
+    except BuildFailed as exc:
+        print(f"BUILD FAILED: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

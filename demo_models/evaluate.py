@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -87,13 +88,14 @@ def draft_match_lengths(draft, prompts: torch.Tensor, target_cont: torch.Tensor,
     return torch.stack(matches, 1)
 
 
-def simulate_acceptance(match_lengths: torch.Tensor, k: int) -> dict:
+def simulate_acceptance(match_lengths: torch.Tensor | Sequence[Sequence[int]], k: int) -> dict:
     """Greedy speculative decoding with a fixed k: each step the draft proposes k tokens, the
-    target accepts the matching prefix and emits one more token of its own."""
+    target accepts the matching prefix and emits one more token of its own. Rows may differ in
+    length (continuations that stopped early)."""
     accepted = proposed = steps = 0
-    n = match_lengths.size(1)
-    for row in match_lengths.tolist():
-        p = 0
+    rows = match_lengths.tolist() if isinstance(match_lengths, torch.Tensor) else match_lengths
+    for row in rows:
+        p, n = 0, len(row)
         while p < n:
             a = min(row[p], k)
             accepted += a

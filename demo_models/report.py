@@ -65,6 +65,8 @@ def format_report(r: dict) -> str:
         f"target {cost['target_ms']:.2f} ms, draft {cost['draft_ms']:.2f} ms "
         f"-> ratio {cost['ratio_target_over_draft']:.1f}x",
         f"time     : {r['seconds']['total']:.0f} s total ({r['seconds']['build_until_saved']:.0f} s building, "
-        f"{r['seconds']['evaluation']:.0f} s measuring)",
+        f"{r['seconds']['evaluation']:.0f} s measuring); training in {r['training_precision']} "
+        f"(native bf16: {'yes' if r['machine']['native_bf16'] else 'no'})",
     ]
+    lines += [f"gate     : {'ok  ' if g['ok'] else 'MISSED'} {g['text']}" for g in r.get("gates", [])]
     return "\n".join(lines)

@@ -54,6 +54,9 @@ class Settings:
     cost_context: int
     cost_repeats: int
     threads: int = 2
+    # quality gates (None: none, for the tiny test pair): a pair below them is not installed
+    gate_acceptance_k4: float | None = None
+    gate_cost_ratio: float | None = None
 
 
 VARIANTS: dict[str, Settings] = {
@@ -86,6 +89,8 @@ VARIANTS: dict[str, Settings] = {
         eval_ce_tokens=32768,
         cost_context=256,
         cost_repeats=200,
+        gate_acceptance_k4=0.5,
+        gate_cost_ratio=8.0,
     ),
     # Seconds: for tests. Tiny shapes and a handful of steps; acceptance is not meaningful.
     "tiny": Settings(
@@ -121,16 +126,18 @@ VARIANTS: dict[str, Settings] = {
 }
 
 
-def settings_hash(settings: Settings, corpus_fingerprint: str) -> str:
+def settings_hash(settings: Settings, corpus_fingerprint: str, bf16: bool) -> str:
     payload = {
         "settings": dataclasses.asdict(settings),
+        "bf16": bf16,  # bf16 and fp32 training give different weights
         "recipe_version": RECIPE_VERSION,
         "corpus": corpus_fingerprint,
         "versions": library_versions(),
     }
     for key in ("target_train", "draft_train"):  # a safety cap, not a recipe setting
         payload["settings"][key].pop("max_seconds", None)
-    payload["settings"].pop("distill_max_seconds", None)
+    for key in ("distill_max_seconds", "gate_acceptance_k4", "gate_cost_ratio"):  # not the recipe
+        payload["settings"].pop(key, None)
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

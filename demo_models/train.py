@@ -1,7 +1,8 @@
 """Training: the target on the corpus, the draft distilled from the target.
 
-Both models are ``transformers.LlamaForCausalLM``. Training runs under bf16 autocast on the
-CPU (fp32 master weights); everything the models are measured or served with is fp32.
+Both models are ``transformers.LlamaForCausalLM``. Training runs under bf16 autocast (fp32
+master weights) where the CPU has native bf16 and in plain fp32 elsewhere (precision.py decides
+at run time); everything the models are measured or served with is fp32.
 Every random choice comes from a seeded ``torch.Generator``, so a build is reproducible.
 """
 
@@ -88,8 +89,9 @@ def sample_windows(stream: torch.Tensor, gen: torch.Generator, batch: int, lengt
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def _run(desc: str, sched: TrainSchedule, model, loss_fn) -> dict:
-    """The shared loop: schedule, clipping, progress bar with ETA, safety time cap."""
+def run_schedule(desc: str, sched: TrainSchedule, model, loss_fn, bf16: bool) -> dict:
+    """The shared loop: schedule, clipping, progress bar with ETA, safety time cap; the loss
+    is computed under bf16 autocast only when ``bf16`` (see precision.py)."""
     opt = make_optimizer(model, sched)
     model.train()
     start = time.perf_counter()
@@ -102,7 +104,7 @@ def _run(desc: str, sched: TrainSchedule, model, loss_fn) -> dict:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, sched)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = loss_fn(step)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -119,13 +121,14 @@ def _run(desc: str, sched: TrainSchedule, model, loss_fn) -> dict:
         "steps": done,
         "steps_planned": sched.steps,
         "stopped_by_time_cap": done < sched.steps,
+        "precision": "bf16 autocast" if bf16 else "fp32",
         "seconds": round(time.perf_counter() - start, 1),
         "final_train_loss": round(sum(tail) / len(tail), 4),
         "tokens_seen": done * sched.batch * sched.seq_len,
     }
 
 
-def train_target(model, stream: torch.Tensor, sched: TrainSchedule, seed: int) -> dict:
+def train_target(model, stream: torch.Tensor, sched: TrainSchedule, seed: int, bf16: bool) -> dict:
     """Next-token cross-entropy on random corpus windows."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -134,7 +137,7 @@ def train_target(model, stream: torch.Tensor, sched: TrainSchedule, seed: int) -
         logits = model(input_ids=x[:, :-1]).logits.float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
 
-    return _run("train target", sched, model, loss_fn)
+    return run_schedule("train target", sched, model, loss_fn, bf16)
 
 
 @dataclass
@@ -225,7 +228,7 @@ def build_distill_set(
 
 
 def distill_draft(
-    draft, data: DistillSet, sched: TrainSchedule, seed: int, hard_weight: float, soft_weight: float
+    draft, data: DistillSet, sched: TrainSchedule, seed: int, hard_weight: float, soft_weight: float, bf16: bool
 ) -> dict:
     """Train the draft to match the target at every position: cross-entropy to the target's
     greedy (top-1) choice plus cross-entropy to the target's top-k distribution."""
@@ -247,7 +250,7 @@ def distill_draft(
         soft = topk_cross_entropy(logq, top_ids, top_lp).mean()
         return hard_weight * hard + soft_weight * soft
 
-    return _run("distill draft", sched, draft, loss_fn)
+    return run_schedule("distill draft", sched, draft, loss_fn, bf16)
 
 
 def topk_cross_entropy(logq: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:

@@ -119,3 +119,67 @@ def test_engine_logits_match_transformers(tiny):
         [logits] = runner.forward([SeqInput(seq_id=1, start_pos=0, tokens=ids, num_logits=len(ids))])
         assert logits.shape == ref.shape, name
         torch.testing.assert_close(logits.float(), ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- portable builds: precision decided at run time, quality gates that fail loudly ----------
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c\n"
+AVX512_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512_bf16 amx_tile\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sha2 crc32 atomics fphp asimdhp bf16 i8mm\n"
+
+
+def test_bf16_is_used_only_where_the_cpu_has_it_natively():
+    from demo_models.precision import use_bf16
+
+    assert use_bf16("auto", AVX2_ONLY) is False
+    assert use_bf16("auto", "") is False  # nothing known (not Linux): fp32
+    assert use_bf16("auto", AVX512_BF16) is True and use_bf16("auto", ARM_BF16) is True
+    assert use_bf16("fp32", AVX512_BF16) is False and use_bf16("bf16", AVX2_ONLY) is True
+    with pytest.raises(ValueError):
+        use_bf16("fp16")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_training_loop_autocasts_only_when_told(bf16):
+    from demo_models.train import TrainSchedule, run_schedule
+
+    model = torch.nn.Linear(8, 8)
+    seen = []
+
+    def loss_fn(step):
+        y = model(torch.randn(4, 8))
+        seen.append((torch.is_autocast_enabled("cpu"), y.dtype))
+        return y.float().pow(2).mean()
+
+    info = run_schedule("t", TrainSchedule(steps=2, batch=1, seq_len=1, lr=1e-3, warmup=1), model, loss_fn, bf16)
+    assert seen == [(bf16, torch.bfloat16 if bf16 else torch.float32)] * 2
+    assert info["precision"] == ("bf16 autocast" if bf16 else "fp32") and info["steps"] == info["steps_planned"] == 2
+
+
+def test_a_build_on_a_cpu_without_native_bf16_trains_in_fp32(monkeypatch, tmp_path):
+    import demo_models.precision as precision
+
+    monkeypatch.setattr(precision, "read_cpuinfo", lambda path="/proc/cpuinfo": AVX2_ONLY)
+    report, _ = build("tiny", str(tmp_path / "pair"), log=lambda *a: None)
+    assert report["training_precision"] == "fp32" and report["machine"]["native_bf16"] is False
+    assert report["target"]["training"]["precision"] == report["draft"]["training"]["precision"] == "fp32"
+
+
+def test_a_pair_below_its_gates_is_not_installed_unless_allowed(monkeypatch, tmp_path, capsys):
+    import dataclasses
+
+    from demo_models import VARIANTS
+    from demo_models.__main__ import main
+
+    impossible = dataclasses.replace(VARIANTS["tiny"], gate_acceptance_k4=1.01)
+    monkeypatch.setitem(VARIANTS, "tiny", impossible)
+    out = tmp_path / "pair"
+    assert main(["--variant", "tiny", "--out", str(out)]) == 1
+    assert "BUILD FAILED" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == [".building"]  # nothing where `make run` would look
+    assert {"target", "draft", "report.json"} <= set(os.listdir(out / ".building"))
+
+    report, cached = build(impossible, str(out), log=lambda *a: None, allow_partial=True)
+    assert not cached and report["partial"] is True
+    assert [g["ok"] for g in report["gates"]] == [False]
+    assert sorted(os.listdir(out)) == ["draft", "report.json", "target"]
