@@ -110,9 +110,11 @@ class PinnedStack(Stack):
     mode: Mode = field(default_factory=lambda: Mode("shared"))
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115 - the child keeps it
+        out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
         self.procs[name] = subprocess.Popen([*self.mode.prefix(name), sys.executable, "-m", *args], stdout=out,
                                             stderr=subprocess.STDOUT if out else None, cwd=ROOT)
+        if out is not None:
+            out.close()  # the child has its own copy
 
     def check_pinning(self) -> dict[str, list[int]]:
         """Each process's CPU affinity as the kernel reports it; raises if a pin did not hold."""

@@ -107,9 +107,15 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
                   f"{(len(configs) - i - 1 + 0.5 * with_anchor) * elapsed / (i + 1) / 60:.1f} min left in it")
 
     agreement = "not run"
+    served = None
     if with_anchor:
         bar.set_description(f"{tag} (hf) anchor")
-        served = anchor.run_anchor(w.pair.path, w.used, mode, log_dir, lambda: bar.update(1))
+        try:
+            served = anchor.run_anchor(w.pair.path, w.used, mode, log_dir, lambda: bar.update(1))
+        except (RuntimeError, OSError) as err:
+            failures.append(f"(hf): {err}")
+            bar.write(f"{tag} (hf) FAILED: {err}")
+    if served is not None:
         ref = w.check.reference
         same = sum(1 for pid, r in served.items() if pid in ref and ref[pid][1] == r.tokens)
         agreement = f"{same}/{len(served)} prompts token-for-token identical"
