@@ -51,7 +51,7 @@ run: $(STUBS) models  ## build the models if absent, start target + draft + rout
 		--port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
 
 # Pairs are not built here: the harness measures the pairs present and says how to build a missing one.
-bench: $(STUBS)  ## every config vs transformers, demo + SmolLM2 pairs, shared + two-device modes (~65 min; BENCH_ARGS=--quick: ~9)
+bench: $(STUBS)  ## every config vs transformers, demo + SmolLM2 pairs, shared + two-device modes (~65-70 min; BENCH_ARGS=--quick: ~9)
 	$(PY) -m bench $(BENCH_ARGS)
 
 gpu-check: $(STUBS)  ## on a CUDA machine: GPU parity, sampling, CUDA graphs, quick bench -> gpu-check-report.md (<= 8 min; no GPU: says so, exits 0)
