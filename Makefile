@@ -46,7 +46,7 @@ else
 endif
 
 RUN_MODELS ?= models/demo
-run: $(STUBS) models  ## build the models if absent, start target + draft + router (NO_DRAFT=1: target-only)
+run: $(STUBS) models-demo  ## build the demo models if absent, start target + draft + router (NO_DRAFT=1: target-only)
 	$(VENV)/bin/tandem serve $(RUN_MODELS) $(if $(NO_DRAFT),--no-draft) \
 		--port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
 
@@ -72,8 +72,11 @@ image-cuda:  ## build the CUDA image (torch cu126 + flash-attn), used by the gpu
 clean:  ## remove generated stubs and caches (keeps .venv and models/)
 	rm -rf tandem .pytest_cache .ruff_cache
 
-.PHONY: models models-tiny
-models: $(STUBS)  ## build the demo draft/target pair into models/demo (cached; ~15 min the first time)
+.PHONY: models models-demo models-tiny
+models: $(STUBS)  ## build the SmolLM2 pair into models/smollm2 (cached; under 20 min the first time)
+	$(PY) -m model_zoo --out models/smollm2
+
+models-demo: $(STUBS)  ## build the stdlib-trained demo pair into models/demo (cached; ~15 min the first time)
 	$(PY) -m demo_models --variant full --out models/demo
 
 models-tiny: $(STUBS)  ## build the seconds-to-build tiny pair into models/tiny (used by tests)

@@ -64,7 +64,6 @@ def build(
 def _build(s: DraftSettings, out: Path, source: Path, force: bool, bf16: bool, allow_partial: bool, progress: bool,
            log):
     t_start = time.perf_counter()
-    gguf = smollm2.obtain_gguf(source, log)
     corpus = load_corpus(s.max_file_bytes, s.max_total_bytes, s.heldout_percent)
     digest = settings_hash(s, smollm2.GGUF_SHA256, corpus.fingerprint, bf16)
     if not force and is_complete(out):
@@ -74,6 +73,7 @@ def _build(s: DraftSettings, out: Path, source: Path, force: bool, bf16: bool, a
             if old.get("partial"):
                 log("warning: that build missed its quality gates (installed with --allow-partial); --force rebuilds")
             return old, True
+    gguf = smollm2.obtain_gguf(source, log)
     work = out / ".building"
     work.mkdir(parents=True, exist_ok=True)
     log(f"building the SmolLM2 pair '{s.variant}' into {out} (settings {digest}; training in "
@@ -112,8 +112,10 @@ def _build(s: DraftSettings, out: Path, source: Path, force: bool, bf16: bool, a
     t0 = time.perf_counter()
     train = data["train"]
     always = sorted({tok.eos_token_id, tok.bos_token_id, tok.pad_token_id})
-    head_ids = distill.most_frequent_tokens([g.output for g in train], s.head_vocab, always)
+    code = tok([f.text for f in corpus.train], add_special_tokens=False).input_ids  # a second frequency source
+    head_ids = distill.most_frequent_tokens([[g.output for g in train], code], s.head_vocab, always)
     config, weights = distill.cut_draft(target_dir, s.layers, head_ids)
+    weights["model.norm.weight"] = weights["model.norm.weight"] * s.norm_scale
     model = distill.build_model(config, weights)
     training = distill.distill(model, train, s.train, s.loss, s.seed + 10, bf16)
     distill.save_draft(config, distill.trained_weights(model), target_dir, work / "draft")

@@ -29,17 +29,15 @@ from .hf_draft import ReducedVocabLlamaForCausalLM
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def most_frequent_tokens(sequences: Sequence[Sequence[int]], n: int, always: Sequence[int] = ()) -> list[int]:
-    """The ``n`` most frequent ids (ties by id, so the choice is deterministic), ``always`` first;
-    returned sorted."""
-    counts = Counter(t for s in sequences for t in s)
-    chosen = list(dict.fromkeys(always))
-    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        if len(chosen) >= n:
-            break
-        if t not in chosen:
-            chosen.append(t)
-    return sorted(chosen[:n])
+def most_frequent_tokens(sources: Sequence[Sequence[Sequence[int]]], n: int, always: Sequence[int] = ()) -> list[int]:
+    """The ``n`` ids ranked by their count in the first source, ties broken by the next source's
+    count, then by id (a BPE vocabulary's ids follow its merge order, roughly frequency); the
+    ``always`` ids first. Returned sorted."""
+    counts = [Counter(t for s in src for t in s) for src in sources]
+    seen = set().union(*counts)
+    ranked = sorted(seen, key=lambda t: (*(-c[t] for c in counts), t))
+    chosen = list(dict.fromkeys([*always, *ranked]))[:n]
+    return sorted(chosen)
 
 
 def cut_draft(target_dir: str | Path, layers: Sequence[int], head_ids: Sequence[int]) -> tuple[dict, dict]:

@@ -46,6 +46,7 @@ class DraftSettings:
     # the draft
     layers: tuple[int, ...]  # target layers its layers start from, in order
     head_vocab: int  # its output head covers this many of the most frequent tokens
+    norm_scale: float  # the target's final norm, scaled: the draft's shallow features are not the last layer's
     train: TrainSchedule  # batch = sequences of labelled target output per step
     loss: LossWeights
     # measurement on held-out prompts
@@ -64,11 +65,11 @@ VARIANTS: dict[str, DraftSettings] = {
     "full": DraftSettings(
         variant="full",
         seed=1234,
-        chat_train=384,
+        chat_train=320,
         chat_eval=48,
         question_max_tokens=64,
         question_sampling=Sampling(temperature=1.0, top_k=64),
-        code_train=192,
+        code_train=160,
         code_eval=48,
         code_prompt_lens=(48, 128),
         max_file_bytes=200_000,
@@ -77,11 +78,12 @@ VARIANTS: dict[str, DraftSettings] = {
         answer_max_tokens=160,
         label_top_k=32,
         gen_batch=96,
-        labelling_max_seconds=480,
+        labelling_max_seconds=360,
         layers=(0, 1),
         head_vocab=8192,
-        train=TrainSchedule(steps=300, batch=16, seq_len=256, lr=5e-4, warmup=30, weight_decay=0.0,
-                            max_seconds=300),
+        norm_scale=0.3,
+        train=TrainSchedule(steps=120, batch=16, seq_len=256, lr=4e-3, warmup=10, weight_decay=0.0,
+                            max_seconds=420),
         loss=LossWeights(hard=0.5, soft=1.0),
         eval_max_tokens=128,
         eval_k_max=8,
@@ -110,6 +112,7 @@ VARIANTS: dict[str, DraftSettings] = {
         labelling_max_seconds=0,
         layers=(0,),
         head_vocab=512,
+        norm_scale=0.3,
         train=TrainSchedule(steps=3, batch=4, seq_len=64, lr=5e-4, warmup=1, weight_decay=0.0),
         loss=LossWeights(),
         eval_max_tokens=12,

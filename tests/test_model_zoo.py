@@ -31,11 +31,13 @@ def small_target(tmp_path_factory) -> Path:
     return d
 
 
-def test_head_tokens_are_the_most_frequent_and_the_forced_ones():
-    seqs = [[5, 5, 5, 7, 7, 9], [9, 9, 9, 9, 3]]
-    assert distill.most_frequent_tokens(seqs, 2) == [5, 9]
-    assert distill.most_frequent_tokens(seqs, 3, always=[0]) == [0, 5, 9]
-    assert distill.most_frequent_tokens(seqs, 3) == [5, 7, 9]  # 7 and 3: the more frequent one
+def test_head_tokens_are_the_most_frequent_then_ranked_by_the_next_source():
+    generated = [[5, 5, 5, 7, 7, 9], [9, 9, 9, 9, 3]]
+    corpus = [[3, 3, 3, 8, 8, 8, 8, 1]]
+    assert distill.most_frequent_tokens([generated], 2) == [5, 9]
+    assert distill.most_frequent_tokens([generated], 3, always=[0]) == [0, 5, 9]
+    # 8 and 1 never occur in the generated source: the corpus ranks them, 8 first
+    assert distill.most_frequent_tokens([generated, corpus], 5) == [3, 5, 7, 8, 9]
 
 
 def test_a_draft_identical_to_its_target_is_always_accepted(small_target):
