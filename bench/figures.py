@@ -104,6 +104,8 @@ def figures(pair: str, mode: str, res: dict, profile: Profile) -> list[Figure]:
         return _get(res, cfg, load, "engine", key)
 
     def fig(issue: str, what: str, value: float, op: str, thr: float, unit: str = "x", detail: str = "") -> Figure:
+        if math.isnan(value) and "nan" in detail:
+            detail = "not run"
         return Figure(pair, mode, issue, what, value, op, thr, unit, detail)
 
     def ran(cfg: str, load: str) -> bool:
