@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.workload import Load, Prompt
+from bench.plans import Load
+from bench.workloads import Prompt
 
 
 @dataclass

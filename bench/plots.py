@@ -1,5 +1,6 @@
-"""PNG plots from results.json. matplotlib is imported here only, lazily: without it the harness
-still runs and says how to get the plots later (`python -m bench --replot results.json`)."""
+"""PNG plots from results.json, two per pair x mode: OUT/PAIR-MODE-itl_cdf.png and -load.png.
+matplotlib is imported here only, lazily: without it the harness still runs and says how to get
+the plots later (`python -m bench --replot results.json`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ MISSING = ("matplotlib is not installed: no PNG plots. Install it (matplotlib==3
            "`python -m bench --replot {json}` to draw them from the saved results.")
 
 
-def plot(data: dict, out: Path, json_path: Path) -> list[Path]:
+def plot_all(data: dict, out: Path, json_path: Path) -> list[Path]:
     try:
         import matplotlib
 
@@ -18,15 +19,24 @@ def plot(data: dict, out: Path, json_path: Path) -> list[Path]:
     except ImportError:
         print(MISSING.format(json=json_path))
         return []
-    import numpy as np
-
     names = {c["key"]: f"({c['key']}) {c['name']}" for c in data["configs"]}
-    loads = data["plan"]["loads"]
     written = []
+    for run in data["runs"]:
+        key = f"{run['pair']}/{run['mode']}"
+        loads = data["pairs"][run["pair"]]["plan"]["loads"]
+        samples = data.get("itl_samples", {}).get(key, {})
+        stem = out / f"{run['pair']}-{run['mode']}"
+        written += [_itl_cdf(plt, names, loads, samples, key, Path(f"{stem}-itl_cdf.png")),
+                    _load(plt, names, loads, run["results"], key, Path(f"{stem}-load.png"))]
+    return written
+
+
+def _itl_cdf(plt, names: dict, loads: list[dict], samples: dict, title: str, path: Path) -> Path:  # noqa: ANN001
+    import numpy as np
 
     fig, axes = _grid(plt, len(loads))
     for ax, load in zip(axes, loads, strict=False):
-        for cfg, per_load in data["itl_samples"].items():
+        for cfg, per_load in samples.items():
             xs = np.sort(np.asarray(per_load.get(load["name"], []), dtype=float))
             if xs.size:
                 ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=names[cfg], lw=1.3)
@@ -35,29 +45,31 @@ def plot(data: dict, out: Path, json_path: Path) -> list[Path]:
         ax.set_xlabel("inter-token latency (ms)")
         ax.set_ylabel("fraction of tokens")
         ax.grid(alpha=0.3, which="both")
-    fig.suptitle(f"ITL CDF per configuration — {data['meta']['models']}")
+    fig.suptitle(f"ITL CDF per configuration — {title}")
     _legend(fig, axes, len(loads))
-    written.append(_save(fig, out / "itl_cdf.png", plt))
+    return _save(fig, path, plt)
 
-    res = data["results"]
+
+def _load(plt, names: dict, loads: list[dict], res: dict, title: str, path: Path) -> Path:  # noqa: ANN001
+    import numpy as np
+
     labels = [x["label"].replace(" (single stream)", "") for x in loads]
     panels = [("output tokens/s", lambda s: s["tokens_per_s"]), ("ITL p50 (ms)", lambda s: s["itl_ms"]["p50"]),
               ("ITL p99 (ms)", lambda s: s["itl_ms"]["p99"]), ("TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"]),
               ("end-to-end p50 (s)", lambda s: s["e2e_s"]["p50"])]
     fig, axes = _grid(plt, len(panels))
-    for ax, (title, get) in zip(axes, panels, strict=False):
+    for ax, (name, get) in zip(axes, panels, strict=False):
         for cfg, per_load in res.items():
             ys = [get(per_load[x["name"]]) if x["name"] in per_load else None for x in loads]
             ys = [np.nan if y is None else y for y in ys]
             ax.plot(range(len(loads)), ys, marker="o", label=names[cfg], ls="--" if cfg == "hf" else "-")
         ax.set_xticks(range(len(loads)), labels, rotation=30, fontsize=8)
-        ax.set_title(title)
+        ax.set_title(name)
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
-    fig.suptitle("latency and throughput against load (anchor: one request at a time)")
+    fig.suptitle(f"latency and throughput against load — {title} (anchor: one request at a time)")
     _legend(fig, axes, len(panels))
-    written.append(_save(fig, out / "load.png", plt))
-    return written
+    return _save(fig, path, plt)
 
 
 def _grid(plt, n: int) -> tuple:  # noqa: ANN001

@@ -36,24 +36,31 @@ def _ratio(num: float, den: float) -> float:
 def derive(d: Samples, wall: float) -> dict[str, float]:
     """Engine-side figures of one load, from the counter and histogram deltas over `wall` seconds.
     step_time{part}: target = the target's own forward time; draft = draft calls on the critical
-    path (before the Step); router = the rest of the step (RPCs, Python, waiting for a pipelined
-    draft that outlasts the target)."""
+    path (before the Step); router = the rest of the step (RPCs, the router's Python, the services'
+    request handling)."""
     st = "tandem:step_time_seconds"
     steps = _get(d, f"{st}_count", part="target")
     drafted = _get(d, "tandem:spec_decode_num_draft_tokens_total")
+    lookups = _get(d, "tandem:pipeline_lookups_total")
+    target_ms = 1000 * _ratio(_get(d, f"{st}_sum", part="target"), steps)
+    router_ms = 1000 * _ratio(_get(d, f"{st}_sum", part="router"), steps)
     return {
         "steps": steps,
         "steps_per_s": _ratio(steps, wall),
         "tokens_per_step": _ratio(_get(d, "tandem:step_tokens_sum"), _get(d, "tandem:step_tokens_count")),
-        "target_ms_per_step": 1000 * _ratio(_get(d, f"{st}_sum", part="target"), steps),
+        "target_ms_per_step": target_ms,
         "draft_ms_per_step": 1000 * _ratio(_get(d, f"{st}_sum", part="draft"), steps),
-        "router_ms_per_step": 1000 * _ratio(_get(d, f"{st}_sum", part="router"), steps),
+        "router_ms_per_step": router_ms,
+        "router_over_target": _ratio(router_ms, target_ms),
         "target_busy": _ratio(_get(d, f"{st}_sum", part="target"), wall),
         "acceptance": _ratio(_get(d, "tandem:spec_decode_num_accepted_tokens_total"), drafted),
         "draft_tokens_per_verify": _ratio(drafted, _get(d, "tandem:spec_decode_num_drafts_total")),
         "emitted_per_step": _ratio(_get(d, "tandem:spec_decode_emitted_tokens_per_step_sum"),
                                    _get(d, "tandem:spec_decode_emitted_tokens_per_step_count")),
-        "pipeline_hit_rate": _ratio(_get(d, "tandem:pipeline_hits_total"), _get(d, "tandem:pipeline_lookups_total")),
+        "pipeline_hit_rate": _ratio(_get(d, "tandem:pipeline_hits_total"), lookups),
+        # misses as shares of lookups: late = nothing prepared for the outcome yet, wrong = no branch matched
+        "pipeline_miss_late": _ratio(_get(d, "tandem:pipeline_misses_total", reason="late"), lookups),
+        "pipeline_miss_wrong": _ratio(_get(d, "tandem:pipeline_misses_total", reason="wrong"), lookups),
         "draft_fallbacks": _get(d, "tandem:draft_fallbacks_total"),
         "preemptions": _get(d, "tandem:num_preemptions_total"),
         "generation_tokens": _get(d, "tandem:generation_tokens_total"),

@@ -1,4 +1,5 @@
-"""results.json, samples.json (ITL samples for the plots, one row per request) and results.md (the tables)."""
+"""results.json (everything but the samples), samples.json (ITL samples for the plots, one row per
+request) and results.md: the issues' figures first, then per pair x mode the two tables."""
 
 from __future__ import annotations
 
@@ -6,70 +7,114 @@ import json
 import math
 from pathlib import Path
 
-from bench.stats import ratio_lines
+from bench.figures import Figure
+from bench.plans import Load
 
 
 def _n(x: float | None, fmt: str = "{:.1f}") -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
-def latency_table(data: dict) -> list[str]:
+def load_dict(ld: Load) -> dict:
+    return {"name": ld.name, "label": ld.label, "kind": ld.kind, "n_requests": ld.n_requests,
+            "concurrency": ld.concurrency, "rate_frac": ld.rate_frac}
+
+
+def _labels(data: dict, pair: str) -> dict[str, str]:
+    return {x["name"]: x["label"] for x in data["pairs"][pair]["plan"]["loads"]}
+
+
+def latency_table(data: dict, run: dict) -> list[str]:
     names = {c["key"]: c["name"] for c in data["configs"]}
-    rows = ["| config | load | TTFT p50 / p99 (ms) | ITL p50 / p90 / p99 (ms) | e2e p50 / p99 (s) | output tok/s "
+    labels = _labels(data, run["pair"])
+    rows = ["| config | load | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p90 / p99 (ms) | e2e p50 / p99 (s) "
             "| req/s | errors |", "|---|---|---|---|---|---|---|---|"]
-    for cfg, loads in data["results"].items():
+    for cfg, loads in run["results"].items():
         for load, s in loads.items():
-            label = next(x["label"] for x in data["plan"]["loads"] if x["name"] == load)
             sim = " †" if cfg == "hf" and load != "c1" else ""
             rows.append(
-                f"| ({cfg}) {names[cfg]} | {label}{sim} | {_n(s['ttft_ms']['p50'], '{:.0f}')} / "
-                f"{_n(s['ttft_ms']['p99'], '{:.0f}')} | {_n(s['itl_ms']['p50'])} / {_n(s['itl_ms']['p90'])} / "
-                f"{_n(s['itl_ms']['p99'])} | {_n(s['e2e_s']['p50'], '{:.2f}')} / {_n(s['e2e_s']['p99'], '{:.2f}')} "
-                f"| {_n(s['tokens_per_s'])} | {_n(s['requests_per_s'], '{:.2f}')} | {s['errors']} |")
+                f"| ({cfg}) {names[cfg]} | {labels.get(load, load)}{sim} | {_n(s['tokens_per_s'])} "
+                f"| {_n(s['ttft_ms']['p50'], '{:.0f}')} / {_n(s['ttft_ms']['p99'], '{:.0f}')} "
+                f"| {_n(s['itl_ms']['p50'])} / {_n(s['itl_ms']['p90'])} / {_n(s['itl_ms']['p99'])} "
+                f"| {_n(s['e2e_s']['p50'], '{:.2f}')} / {_n(s['e2e_s']['p99'], '{:.2f}')} "
+                f"| {_n(s['requests_per_s'], '{:.2f}')} | {s['errors']} |")
     return rows
 
 
-def engine_table(data: dict) -> list[str]:
-    rows = ["| config | load | steps/s | tokens/step | acceptance | drafts/verify | emitted/step | pipeline hits "
-            "| target busy | target ms/step | draft ms/step (critical path) | router+RPC ms/step |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for cfg, loads in data["results"].items():
+def engine_table(data: dict, run: dict) -> list[str]:
+    labels = _labels(data, run["pair"])
+    rows = ["| config | load | acceptance | drafts / verify | emitted / step | pipeline hits | misses late / wrong "
+            "| target busy | target ms / step | tokens / step | draft ms / step (critical path) "
+            "| router+RPC ms / step | router+RPC / target |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cfg, loads in run["results"].items():
         if cfg == "hf":
             continue
         for load, s in loads.items():
             e = s.get("engine", {})
             rows.append(
-                f"| ({cfg}) | {load} | {_n(e.get('steps_per_s'))} | {_n(e.get('tokens_per_step'))} "
-                f"| {_n(e.get('acceptance'), '{:.2f}')} | {_n(e.get('draft_tokens_per_verify'), '{:.2f}')} "
-                f"| {_n(e.get('emitted_per_step'), '{:.2f}')} | {_n(e.get('pipeline_hit_rate'), '{:.0%}')} "
-                f"| {_n(e.get('target_busy'), '{:.0%}')} | {_n(e.get('target_ms_per_step'))} "
-                f"| {_n(e.get('draft_ms_per_step'))} | {_n(e.get('router_ms_per_step'))} |")
+                f"| ({cfg}) | {labels.get(load, load)} | {_n(e.get('acceptance'), '{:.2f}')} "
+                f"| {_n(e.get('draft_tokens_per_verify'), '{:.2f}')} | {_n(e.get('emitted_per_step'), '{:.2f}')} "
+                f"| {_n(e.get('pipeline_hit_rate'), '{:.0%}')} | {_n(e.get('pipeline_miss_late'), '{:.0%}')} / "
+                f"{_n(e.get('pipeline_miss_wrong'), '{:.0%}')} | {_n(e.get('target_busy'), '{:.0%}')} "
+                f"| {_n(e.get('target_ms_per_step'))} | {_n(e.get('tokens_per_step'), '{:.0f}')} "
+                f"| {_n(e.get('draft_ms_per_step'))} | {_n(e.get('router_ms_per_step'))} "
+                f"| {_n(e.get('router_over_target'), '{:.1%}')} |")
     return rows
+
+
+def figures_table(rows: list[dict]) -> list[str]:
+    out = ["| issue | pair | mode | figure | value | needs | result | detail |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = Figure.from_row(r)
+        result = f"**{f.verdict()}**" if f.status == "MISSED" else f.verdict()
+        out.append(f"| {f.issue} | {f.pair} | {f.mode} | {f.what} | {f.fmt(f.value)} | {f.op} {f.fmt(f.threshold)} "
+                   f"| {result} | {f.detail} |")
+    return out
+
+
+def pair_lines(name: str, p: dict) -> list[str]:
+    f, w, c = p["facts"], p["workload"], p["correctness"]
+    vocab = f" (output vocabulary {f['draft_vocab_size']} of {f['vocab_size']})" if f["draft_vocab_size"] else ""
+    return [
+        f"**{name}** (`{f['dir']}`, {f['variant']} build, profile {p['profile']}): target "
+        f"{f['target_params'] / 1e6:.1f}M params, draft {f['draft_params'] / 1e6:.1f}M{vocab}, max_model_len "
+        f"{f['max_model_len']}. Workload: {w['prompts']} prompts, "
+        + ", ".join(f"{k} {v['n']} ({v['min']}-{v['max']} tokens)" for k, v in w["by_kind"].items())
+        + f"; outputs {p['plan']['out_tokens'][0]}-{p['plan']['out_tokens'][1]} tokens, greedy, ignore_eos. "
+        f"Correctness: {c['answers_compared']} answers for {c['prompts']} prompts compared across configs, loads "
+        f"and modes, {c['mismatches']} mismatches." + "".join(f" Note: {n}." for n in p["notes"]), ""]
 
 
 def markdown(data: dict) -> str:
     m = data["meta"]
     lines = [
-        f"# Tandem benchmark — {m['models']} ({'quick' if m['quick'] else 'full'} run, {m['date']})", "",
-        f"`{m['command']}` on {m['machine']['cpus']} CPU cores ({m['machine']['cpu_model']}), "
-        f"torch {m['machine']['torch']}, {m['machine']['torch_threads_services']} torch threads per service; "
-        f"load average {m['machine']['loadavg_start']} at start, {m['machine']['loadavg_end']} at the end. "
-        f"Router budget {m['budget']} tokens/step, k_max {m['k_max']}. Took {m['seconds'] / 60:.1f} min.", "",
-        f"Workload: {data['workload']['prompts']} prompts cut from held-out stdlib files "
-        + ", ".join(f"{k} {v['n']} ({v['min']}-{v['max']} tokens)" for k, v in data['workload']['by_kind'].items())
-        + f"; outputs {m['out_tokens'][0]}-{m['out_tokens'][1]} tokens, greedy, ignore_eos. Poisson rates are "
-        f"fractions of config (1)'s closed-loop c=16 capacity ({m['capacity_req_s']:.2f} req/s).", "",
-        "ITL is measured per token from SSE chunk arrival times: a chunk carrying n tokens, dt after the "
-        "previous chunk, counts n intervals of dt/n. † the transformers anchor serves one request at a "
-        "time: its latencies under load are its measured service times plus the FIFO wait that implies.", "",
-        "## Latency and throughput", "", *latency_table(data), "",
-        "## Inside the router (from /metrics deltas)", "", *engine_table(data), "",
-        "## Correctness", "",
-        f"Greedy outputs compared across every config and load: {data['correctness']['answers_compared']} answers "
-        f"for {data['correctness']['prompts']} prompts, {data['correctness']['mismatches']} mismatches. "
-        f"Transformers anchor vs Tandem: {data['anchor_agreement']}.", "",
-        "## Ratios", "", *(f"- {x}" for x in ratio_lines(data["ratios"])), "",
+        f"# Tandem benchmark — {'quick' if m['quick'] else 'full'} run, {m['date']}", "",
+        f"`{m['command']}` on {m['machine']['cpus']} CPU cores ({m['machine']['cpu_model']}), torch "
+        f"{m['machine']['torch']}; load average {m['machine']['loadavg_start']} at start, "
+        f"{m['machine']['loadavg_end']} at the end. Router budget {m['budget']} tokens/step, k_max {m['k_max']}. "
+        f"Took {m['seconds'] / 60:.1f} min.", "",
+        *(f"**Skipped**: {s}" for s in m["skipped"]), *([""] if m["skipped"] else []),
+        "## Figures the issues ask for", "", *figures_table(data["figures"]), "",
+        "## Pairs", "", *(x for name, p in data["pairs"].items() for x in pair_lines(name, p)),
+        "ITL is measured per token from SSE chunk arrival times: a chunk carrying n tokens, dt after the previous "
+        "chunk, counts n intervals of dt/n. † the transformers anchor serves one request at a time: its latencies "
+        "under load are its measured service times plus the FIFO wait that implies. Misses are shares of "
+        "pipeline lookups: late = the draft had prepared nothing for that outcome yet, wrong = it had and no "
+        "prepared branch matched.", "",
     ]
+    for run in data["runs"]:
+        stem = f"{run['pair']}-{run['mode']}"
+        lines += [
+            f"## {run['pair']}, {run['mode']}", "",
+            f"{run['pinning']}. Poisson rates are fractions of the first config's c=16 capacity "
+            f"({run['capacity_req_s']:.2f} req/s); mixed load = {run['mixed']}. Transformers anchor vs Tandem: "
+            f"{run['anchor_agreement']}. {run['seconds'] / 60:.1f} min.", "",
+            *(f"**Did not run** {f}" for f in run.get("failures", [])), *([""] if run.get("failures") else []),
+            "### Latency and throughput", "", *latency_table(data, run), "",
+            "### Inside the router (from /metrics deltas)", "", *engine_table(data, run), "",
+            f"![ITL CDF]({stem}-itl_cdf.png)", "", f"![load]({stem}-load.png)", "",
+        ]
     return "\n".join(lines)
 
 
@@ -85,22 +130,19 @@ def _finite(x: object) -> object:
 
 
 def load(js: Path) -> dict:
-    """A saved run, with the ITL samples the plots need (samples.json beside it)."""
+    """A saved run, with the samples the plots need (samples.json beside it)."""
     data = json.loads(js.read_text())
     samples = js.parent / "samples.json"
     data.update(json.loads(samples.read_text()) if samples.is_file() else {"itl_samples": {}})
     return data
 
 
-def write(out: Path, data: dict) -> tuple[Path, Path]:
-    """results.json (all but the samples); samples.json: itl_samples[config][load] (ms per token) and
-    requests[config][load] = rows of [pid, sent s, TTFT s, e2e s, tokens, chunks]; results.md."""
+def write(out: Path, data: dict, samples: dict) -> tuple[Path, Path]:
+    """results.json; samples.json: itl_samples["pair/mode"][config][load] (ms per token) and
+    requests["pair/mode"][config][load] = rows of [pid, sent s, TTFT s, e2e s, tokens, chunks]; results.md."""
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / "results.json", out / "results.md"
-    apart = ("itl_samples", "requests")
-    rest = {k: v for k, v in data.items() if k not in apart}
-    js.write_text(json.dumps(_finite(rest), indent=1, allow_nan=False) + "\n")
-    samples = {k: data[k] for k in apart if k in data}
+    js.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n")
     (out / "samples.json").write_text(json.dumps(_finite(samples), separators=(",", ":")) + "\n")
     md.write_text(markdown(data))
     return js, md

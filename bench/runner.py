@@ -1,5 +1,5 @@
-"""One Tandem configuration: start target (+ draft) + router with router.launch.Stack on free
-loopback ports, warm it up, drive every load with /metrics scraped around it, stop it."""
+"""One Tandem configuration: start target (+ draft) + router on free loopback ports, pinned as the
+mode says, warm it up, drive every load with /metrics scraped around it, stop it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from pathlib import Path
 
 from bench import prom
 from bench.client import RequestResult, run_load, warm_up
+from bench.modes import Mode, PinnedStack
+from bench.plans import Load
 from bench.stats import Config, itl_samples, summarize
-from bench.workload import Load, Prompt
-from router.launch import Stack, free_port
+from bench.workloads import Prompt
+from router.launch import free_port
 
 
 @dataclass
@@ -23,7 +25,7 @@ class Settings:
     models: Path
     budget: int
     k_max: int
-    threads: int
+    mode: Mode
     log_dir: Path
 
 
@@ -43,24 +45,25 @@ def _draft_up(url: str) -> bool:
         return False
 
 
-def start_stack(cfg: Config, s: Settings) -> Stack:
+def start_stack(cfg: Config, s: Settings) -> PinnedStack:
     log_dir = s.log_dir / f"config-{cfg.key}"
     log_dir.mkdir(parents=True, exist_ok=True)
     for f in log_dir.glob("*.log"):
         f.unlink()
-    service_args = ["--threads", str(s.threads)] if s.threads else []
     router_args = [*cfg.flags, "--max-num-batched-tokens", str(s.budget), "--k-max", str(s.k_max),
                    "--max-waiting", "4096", "--log-level", "WARNING"]
-    stack = Stack(s.models / "target", s.models / "draft" if cfg.draft else None, served_model_name=s.models.name,
-                  http_port=free_port(), grpc_port=free_port(), target_port=free_port(),
-                  draft_port=free_port(), service_args=service_args, router_args=router_args, log_dir=log_dir)
+    stack = PinnedStack(s.models / "target", s.models / "draft" if cfg.draft else None,
+                        served_model_name=s.models.name, http_port=free_port(), grpc_port=free_port(),
+                        target_port=free_port(), draft_port=free_port(), service_args=s.mode.service_args(),
+                        router_args=router_args, log_dir=log_dir, mode=s.mode)
     try:
-        stack.start(timeout=300.0)
+        stack.start(timeout=180.0)
         deadline = time.monotonic() + 60.0
         while cfg.draft and not _draft_up(stack.url):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"config ({cfg.key}): the router never reported the draft available")
             time.sleep(0.2)
+        stack.check_pinning()
     except BaseException:
         stack.stop()
         raise
@@ -74,18 +77,19 @@ def run_config(cfg: Config, s: Settings, model_name: str, loads: list[tuple[Load
     stack = start_stack(cfg, s)
     runs = []
     try:
-        asyncio.run(warm_up(stack.url, model_name, warm))
-        for load, requests, arrivals in loads:
-            on_load(load)
-            rate = rate_of(load, runs) if load.kind == "open" else 0.0
-            before = prom.scrape(stack.url)
-            results, wall = asyncio.run(run_load(stack.url, model_name, load, requests, rate, arrivals, on_done))
-            after = prom.scrape(stack.url)
-            summary = summarize(results, wall)
-            summary["engine"] = prom.derive(prom.delta(before, after), wall)
-            if load.kind == "open":
-                summary["rate_req_s"] = rate
-            runs.append(LoadRun(load, results, summary, itl_samples(results)))
+        with s.mode.client_affinity():
+            asyncio.run(warm_up(stack.url, model_name, warm))
+            for load, requests, arrivals in loads:
+                on_load(load)
+                rate = rate_of(load, runs) if load.kind == "open" else 0.0
+                before = prom.scrape(stack.url)
+                results, wall = asyncio.run(run_load(stack.url, model_name, load, requests, rate, arrivals, on_done))
+                after = prom.scrape(stack.url)
+                summary = summarize(results, wall)
+                summary["engine"] = prom.derive(prom.delta(before, after), wall)
+                if load.kind == "open":
+                    summary["rate_req_s"] = rate
+                runs.append(LoadRun(load, results, summary, itl_samples(results)))
     finally:
         codes = stack.stop()
         bad = {n: c for n, c in codes.items() if c not in (0, -15)}

@@ -1,4 +1,4 @@
-"""Summaries of one (config, load), the cross-config correctness check, and the headline ratios."""
+"""The configurations, summaries of one (config, load), and the cross-config correctness check."""
 
 from __future__ import annotations
 
@@ -79,65 +79,3 @@ class Correctness:
     def report(self) -> dict:
         return {"prompts": len(self.reference), "answers_compared": self.checked,
                 "mismatches": len(self.mismatches), "details": self.mismatches[:50]}
-
-
-def _get(res: dict, cfg: str, load: str, *path: str) -> float:
-    node = res.get(cfg, {}).get(load)
-    for p in path:
-        if not isinstance(node, dict):
-            return math.nan
-        node = node.get(p)
-    return float(node) if isinstance(node, int | float) else math.nan
-
-
-def _div(a: float, b: float) -> float:
-    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
-
-
-def ratios(res: dict, mixed: str) -> dict:
-    """The headline comparisons. res[config][load] = summary (with "engine" for Tandem configs)."""
-    itl1 = {c: _get(res, c, "c1", "itl_ms", "p50") for c in res}
-    out: dict = {
-        "single_stream_itl_p50_ms": itl1,
-        "single_stream_itl_speedup_6_vs_1": _div(itl1.get("1", math.nan), itl1.get("6", math.nan)),
-        "mixed_load": mixed,
-        "mixed_itl_p99_ms": {c: _get(res, c, mixed, "itl_ms", "p99") for c in res},
-    }
-    out["mixed_itl_p99_3_over_5"] = _div(out["mixed_itl_p99_ms"].get("3", math.nan),
-                                         out["mixed_itl_p99_ms"].get("5", math.nan))
-    for load in ("c1", "c16"):
-        anchor = _get(res, "hf", load, "tokens_per_s")
-        out[f"throughput_vs_anchor_{load}"] = {c: _div(_get(res, c, load, "tokens_per_s"), anchor)
-                                                for c in res if c != "hf"}
-        out[f"anchor_tokens_per_s_{load}"] = anchor
-    out["pipelining_5_vs_4"] = {
-        "c16_throughput": _div(_get(res, "5", "c16", "tokens_per_s"), _get(res, "4", "c16", "tokens_per_s")),
-        "c1_itl_p50_speedup": _div(itl1.get("4", math.nan), itl1.get("5", math.nan)),
-        "mixed_itl_p99_speedup": _div(_get(res, "4", mixed, "itl_ms", "p99"), _get(res, "5", mixed, "itl_ms", "p99")),
-    }
-    out["target_busy_c16"] = {c: _get(res, c, "c16", "engine", "target_busy") for c in res if c != "hf"}
-    out["target_busy_c1"] = {c: _get(res, c, "c1", "engine", "target_busy") for c in res if c != "hf"}
-    return out
-
-
-def ratio_lines(r: dict) -> list[str]:
-    def f(x: float) -> str:
-        return "n/a" if math.isnan(x) else f"{x:.2f}x"
-
-    def per(d: dict, fmt: str = "{:.2f}x") -> str:
-        return ", ".join(f"({k}) {fmt.format(v)}" for k, v in d.items() if not math.isnan(v)) or "n/a"
-
-    return [
-        f"single-stream ITL p50, (1) / (6): {f(r['single_stream_itl_speedup_6_vs_1'])}  "
-        f"[ms: {per(r['single_stream_itl_p50_ms'], '{:.1f}')}]",
-        f"p99 ITL under mixed load ({r['mixed_load']}), (3) / (5): {f(r['mixed_itl_p99_3_over_5'])}  "
-        f"[ms: {per(r['mixed_itl_p99_ms'], '{:.1f}')}]",
-        f"throughput vs the transformers anchor at 1 stream ({r['anchor_tokens_per_s_c1']:.1f} tok/s): "
-        f"{per(r['throughput_vs_anchor_c1'])}",
-        f"throughput vs the anchor at 16 streams (served one after another, {r['anchor_tokens_per_s_c16']:.1f} tok/s): "
-        f"{per(r['throughput_vs_anchor_c16'])}",
-        "pipelining, (5) vs (4): c=16 throughput {}, c=1 ITL p50 speedup {}, mixed p99 ITL speedup {}".format(
-            *(f(v) for v in r["pipelining_5_vs_4"].values())),
-        f"target busy fraction at c=1: {per(r['target_busy_c1'], '{:.0%}')}",
-        f"target busy fraction at c=16: {per(r['target_busy_c16'], '{:.0%}')}",
-    ]

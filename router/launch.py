@@ -123,6 +123,8 @@ class Stack:
         self.procs[name] = subprocess.Popen([*self.wrap.get(name, []), sys.executable, "-m", *args], stdout=out,
                                             stderr=subprocess.STDOUT if out else None, env=env,
                                             cwd=Path(__file__).resolve().parent.parent)
+        if out is not None:
+            out.close()  # the child has its own copy
 
     def start_service(self, name: str) -> None:
         port = self.target_port if name == "target" else self.draft_port

@@ -10,7 +10,7 @@ what is left of the budget (a step that no longer fits is reported as not run):
   2. sampling and acceptance on CUDA give the CPU's tokens              tests/test_device_agreement.py
   3. CUDA graphs replayed give the eager logits (float32, bfloat16)     tests/test_cuda_graphs.py
      (+ the attention choice, and tensor parallelism over NCCL when 2 GPUs are present)
-  4. `make bench BENCH_ARGS=--quick` on each model pair present (models/demo, models/tiny), run as
+  4. `make bench BENCH_ARGS=--quick` on each model pair present (models/demo, models/smollm2, models/tiny), as
      `python -m bench --quick --models PAIR` so that an absent pair is skipped, never built
 Exit 0 when every step that ran passed.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-PAIRS = ("models/demo", "models/tiny")
+PAIRS = ("models/demo", "models/smollm2", "models/tiny")
 PYTEST_STEPS = [
     ("engine parity vs transformers (fp32 SDPA eager, bf16 flash-attn + CUDA graphs)",
      ["tests/test_gpu_parity.py"], 150),
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(Result(name, "not run", 0.0, f"{pair} is absent (`make models` / `make models-tiny`)"))
         else:
             out = ROOT / "bench" / "results" / "quick" / f"gpu-{Path(pair).name}"
-            cmd = [PY, "-m", "bench", "--quick", "--models", pair, "--out", str(out)]
+            # shared mode only: pinning each service to a CPU core means nothing on a GPU machine
+            cmd = [PY, "-m", "bench", "--quick", "--mode", "shared", "--models", pair, "--out", str(out)]
             results.append(run(name, cmd, min(BENCH_S, deadline - time.monotonic())))
         print(f"  {results[-1].status:8} {name}: {results[-1].summary}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,208 @@
+"""One run: every pair x mode x config x load, then the anchor per pair x mode, the figures,
+and the files. `run()` is what `python -m bench` calls after parsing its flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench import anchor, plans, report
+from bench.figures import figures
+from bench.modes import Mode
+from bench.pairs import Pair
+from bench.plans import Load, Plan, Profile
+from bench.runner import LoadRun, Settings, run_config
+from bench.stats import ANCHOR, Config, Correctness, itl_samples, summarize
+from bench.workloads import Prompt, build_pool, pool_summary
+
+
+@dataclass
+class PairWork:
+    """A pair's plan and prompts, shared by its modes (same prompts, same arrivals)."""
+
+    pair: Pair
+    profile: Profile
+    plan: Plan
+    pool: list[Prompt]
+    loads: list[tuple[Load, list[Prompt], list[float]]]
+    notes: list[str]
+    check: Correctness = field(default_factory=Correctness)
+
+    @property
+    def used(self) -> list[Prompt]:
+        pids = sorted({p.pid for _, reqs, _ in self.loads for p in reqs})
+        return [self.pool[i] for i in pids]
+
+
+def prepare(pair: Pair, quick: bool, budget: int, seed: int, only_loads: list[str] | None) -> PairWork:
+    profile = plans.profile_for(pair.name, pair.params("target"))
+    plan = profile.plan(quick)
+    pool, notes = build_pool(pair, plan, budget, seed)
+    unknown = set(only_loads or ()) - {ld.name for ld in plan.loads}
+    if unknown:
+        names = ", ".join(ld.name for ld in plan.loads)
+        raise SystemExit(f"--loads: {sorted(unknown)} not in {pair.name}'s plan ({names})")
+    chosen = [ld for ld in plan.loads if not only_loads or ld.name in only_loads]
+    loads = [(ld, [pool[i % len(pool)] for i in range(ld.n_requests)], plans.arrivals(ld, seed)) for ld in chosen]
+    return PairWork(pair, profile, plan, pool, loads, notes)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, args: argparse.Namespace,
+             samples: dict) -> dict:
+    """Every config (and the anchor) on one pair in one mode; returns the run's entry for results.json."""
+    from tqdm import tqdm
+
+    t0 = time.monotonic()
+    tag = f"{w.pair.name} {mode.name}"
+    log_dir = args.out / "logs" / w.pair.name / mode.name
+    settings = Settings(w.pair.path, args.budget, args.k_max, mode, log_dir)
+    capacity = [args.capacity or None]
+    warm = [Prompt(p.pid, p.ids, 8, p.kind, p.source, p.workload) for p in w.pool[:4]]
+    results: dict[str, dict] = {}
+    itl: dict[str, dict] = {}
+    rows: dict[str, dict] = {}
+    total = sum(ld.n_requests for ld, _, _ in w.loads) * len(configs) + (len(w.used) if with_anchor else 0)
+    bar = tqdm(total=total, unit="req", dynamic_ncols=True, smoothing=0.05, desc=tag)
+
+    def rate_of(load: Load, done: list[LoadRun]) -> float:
+        if capacity[0] is None:  # the first config's c=16 (config (1) in a full run) sets the scale
+            capacity[0] = next((lr.summary["requests_per_s"] for lr in done if lr.load.name == "c16"), 1.0)
+        return load.rate_frac * capacity[0]
+
+    failures = []
+    for i, cfg in enumerate(configs):
+        done_before = bar.n
+        try:
+            runs = run_config(cfg, settings, w.pair.name, w.loads, rate_of, warm, lambda r: bar.update(1),
+                              lambda load, key=cfg.key: bar.set_description(f"{tag} ({key}) {load.name}"))
+        except (RuntimeError, TimeoutError, OSError) as err:  # one broken config must not sink an hour's run
+            failures.append(f"({cfg.key}): {err}")
+            bar.write(f"{tag} ({cfg.key}) FAILED: {err} (logs in {log_dir}/config-{cfg.key}); going on")
+            bar.update(sum(ld.n_requests for ld, _, _ in w.loads) - (bar.n - done_before))
+            continue
+        results[cfg.key], itl[cfg.key], rows[cfg.key] = {}, {}, {}
+        for lr in runs:
+            results[cfg.key][lr.load.name] = lr.summary
+            itl[cfg.key][lr.load.name] = lr.itl
+            rows[cfg.key][lr.load.name] = [r.row() for r in lr.results]
+            w.check.check(f"{mode.name} ({cfg.key}) {lr.load.name}", lr.results)
+        elapsed = time.monotonic() - t0
+        bar.write(f"{tag} ({cfg.key}) done: {elapsed / 60:.1f} min into this mode, about "
+                  f"{(len(configs) - i - 1 + 0.5 * with_anchor) * elapsed / (i + 1) / 60:.1f} min left in it")
+
+    agreement = "not run"
+    served = None
+    if with_anchor:
+        bar.set_description(f"{tag} (hf) anchor")
+        try:
+            served = anchor.run_anchor(w.pair.path, w.used, mode, log_dir, lambda: bar.update(1))
+        except (RuntimeError, OSError) as err:
+            failures.append(f"(hf): {err}")
+            bar.write(f"{tag} (hf) FAILED: {err}")
+    if served is not None:
+        ref = w.check.reference
+        same = sum(1 for pid, r in served.items() if pid in ref and ref[pid][1] == r.tokens)
+        agreement = f"{same}/{len(served)} prompts token-for-token identical"
+        results["hf"], itl["hf"], rows["hf"] = {}, {}, {}
+        for load, reqs, arr in w.loads:
+            rate = load.rate_frac * capacity[0] if load.kind == "open" and capacity[0] else 1.0
+            rs, wall = anchor.simulate(load, reqs, served, rate, arr)
+            results["hf"][load.name] = summarize(rs, wall)
+            itl["hf"][load.name] = itl_samples(rs)
+            rows["hf"][load.name] = [r.row() for r in rs]
+    bar.close()
+    samples["itl_samples"][f"{w.pair.name}/{mode.name}"] = itl
+    samples["requests"][f"{w.pair.name}/{mode.name}"] = rows
+    return {"pair": w.pair.name, "mode": mode.name, "pinning": mode.describe(), "threads": mode.threads or "default",
+            "capacity_req_s": capacity[0] or 0.0, "mixed": w.plan.mixed, "anchor_agreement": agreement,
+            "failures": failures,
+            "seconds": time.monotonic() - t0, "results": results}
+
+
+def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: list[str], modes: list[Mode],
+        configs: list[Config], with_anchor: bool) -> int:
+    import torch
+
+    from bench import plots
+    from bench.figures import summary_lines
+
+    t0 = time.monotonic()
+    work = [prepare(p, args.quick, args.budget, args.seed, args.loads) for p in pairs]
+    for w in work:
+        minutes = w.profile.minutes_quick if args.quick else w.profile.minutes
+        print(f"{w.pair.name} ({w.pair.path}, profile {w.profile.name}): {w.plan.describe()}; "
+              + ", ".join(f"{m.name} ~{minutes[m.name]:.0f} min" for m in modes))
+        for n in w.notes:
+            print(f"note: {n}")
+        if w.pair.report.get("variant") not in (None, "full"):
+            print(f"note: {w.pair.path} is a {w.pair.report['variant']!r} build: fine for developing the harness, "
+                  "but its numbers mean nothing")
+    for m in modes:
+        print(f"mode {m.describe()}")
+    for s in skipped:
+        print(f"SKIPPED {s}")
+    loadavg = os.getloadavg()
+    if loadavg[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {loadavg[0]:.1f} on {os.cpu_count()} cores before starting: something else "
+              "is running, and these numbers will carry its noise (the load average is recorded)")
+
+    samples: dict = {"itl_samples": {}, "requests": {}}
+    runs, figs = [], []
+    for w in work:
+        for mode in modes:
+            entry = run_mode(w, mode, configs, with_anchor, args, samples)
+            runs.append(entry)
+            figs += [f.row() for f in figures(w.pair.name, mode.name, entry["results"], w.profile)]
+    data = {
+        "meta": {"command": shlex.join(["python", "-m", "bench", *argv]),
+                 "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick,
+                 "budget": args.budget, "k_max": args.k_max, "seed": args.seed,
+                 "modes": [m.name for m in modes], "skipped": skipped, "seconds": time.monotonic() - t0,
+                 "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "torch": torch.__version__,
+                             "python": platform.python_version(), "torch_default_threads": torch.get_num_threads(),
+                             "loadavg_start": [round(x, 2) for x in loadavg],
+                             "loadavg_end": [round(x, 2) for x in os.getloadavg()]}},
+        "configs": [{"key": c.key, "name": c.name, "flags": list(c.flags), "draft": c.draft}
+                    for c in [*configs, *([ANCHOR] if with_anchor else [])]],
+        "pairs": {w.pair.name: {"facts": w.pair.facts(), "profile": w.profile.name, "notes": w.notes,
+                                "plan": {"mixed": w.plan.mixed, "out_tokens": list(w.plan.out_tokens),
+                                         "loads": [report.load_dict(ld) for ld, _, _ in w.loads]},
+                                "workload": pool_summary(w.pool), "correctness": w.check.report()}
+                  for w in work},
+        "runs": runs, "figures": figs,
+    }
+    js, md = report.write(args.out, data, samples)
+    pngs = plots.plot_all({**data, **samples}, args.out, js)
+    print("\n" + "\n".join(summary_lines(figs)))
+    print(f"\nwrote {js}, {md}" + "".join(f", {p}" for p in pngs) + f"  ({data['meta']['seconds'] / 60:.1f} min)")
+    for s in skipped:
+        print(f"INCOMPLETE: {s}")
+    errors = sum(s["errors"] for r in runs for per in r["results"].values() for s in per.values())
+    mismatches = sum(w.check.report()["mismatches"] for w in work)
+    failed = [f"{r['pair']} {r['mode']} {f}" for r in runs for f in r["failures"]]
+    if mismatches or errors or failed:
+        print(f"FAILED: {mismatches} output mismatches across configs and modes, {errors} failed requests, "
+              f"{len(failed)} configs that did not run (details in {js})" + "".join(f"\n  {f}" for f in failed))
+        return 1
+    for w in work:
+        c = w.check.report()
+        agree = "; ".join(f"{r['mode']}: {r['anchor_agreement']}" for r in runs if r["pair"] == w.pair.name)
+        print(f"correctness, {w.pair.name}: {c['answers_compared']} greedy answers for {c['prompts']} prompts "
+              f"identical across configs, loads and modes; anchor: {agree}")
+    return 0

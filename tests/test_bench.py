@@ -1,0 +1,244 @@
+"""The bench harness's own logic: pinning command lines, plans per pair, workloads, the issues'
+figures and the report. No timing is asserted here: speed is measured only by `make bench`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import anchor, prom, report
+from bench.figures import Figure, figures, summary_lines
+from bench.modes import Mode, ModeUnavailable, PinnedStack, make_mode
+from bench.pairs import Pair, find_pairs
+from bench.plans import PROFILES, profile_for
+from bench.workloads import WORKLOADS, build_pool
+from tests.conftest import write_tokenizer
+
+# ---- modes --------------------------------------------------------------------------------------
+
+
+def test_two_device_pins_target_alone_and_the_rest_on_the_other_core() -> None:
+    m = make_mode("two-device", cpus={2, 5, 7}, taskset="/usr/bin/taskset")
+    assert m.prefix("target") == ["taskset", "-c", "2"] == m.prefix("anchor")
+    assert m.prefix("draft") == m.prefix("router") == ["taskset", "-c", "5"]
+    assert m.cpu_of("client") == 5
+    assert m.service_args() == ["--threads", "1"]
+
+
+def test_shared_mode_pins_nothing() -> None:
+    m = make_mode("shared")
+    assert m.prefix("target") == m.prefix("draft") == m.prefix("router") == []
+    assert m.service_args() == [] and m.threads == 0
+
+
+def test_two_device_refused_clearly() -> None:
+    with pytest.raises(ModeUnavailable, match="taskset"):
+        make_mode("two-device", cpus={0, 1}, taskset=None)
+    with pytest.raises(ModeUnavailable, match="impossible.*1 core"):
+        make_mode("two-device", cpus={0}, taskset="/usr/bin/taskset")
+    with pytest.raises(ValueError):
+        make_mode("three-device")
+
+
+def test_pinned_stack_prefixes_each_process(monkeypatch, tmp_path: Path) -> None:
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, cmd: list[str], **kwargs: object) -> None:
+            seen[cmd[cmd.index("-m") + 1]] = cmd
+
+    monkeypatch.setattr("router.launch.subprocess.Popen", FakePopen)
+    mode = Mode("two-device", threads=1, target_cpu=0, host_cpu=1)
+    stack = PinnedStack(tmp_path / "t", tmp_path / "d", service_args=mode.service_args(), mode=mode)
+    stack.start_service("target")
+    stack.start_service("draft")
+    stack.start_router()
+    assert seen["target_service"][:3] == ["taskset", "-c", "0"]
+    assert seen["draft_service"][:3] == ["taskset", "-c", "1"]
+    assert seen["router"][:3] == ["taskset", "-c", "1"]
+    assert seen["target_service"][-2:] == ["--threads", "1"]
+
+
+# ---- pairs and plans ----------------------------------------------------------------------------
+
+
+def _work(plan) -> int:  # noqa: ANN001
+    mean_out = sum(plan.out_tokens) / 2
+    return int(sum(ld.n_requests for ld in plan.loads) * mean_out)
+
+
+def test_profiles_by_name_then_by_size() -> None:
+    assert profile_for("demo", 10).name == "demo"
+    assert profile_for("smollm2", 10).name == "smollm2"
+    assert profile_for("tiny", 139_584).name == "demo"
+    assert profile_for("smollm2-tiny", 134_515_008).name == "smollm2"
+
+
+def test_plans_scale_with_the_pair_speed() -> None:
+    demo, smol = PROFILES["demo"], PROFILES["smollm2"]
+    assert _work(smol.full) < _work(demo.full) / 2  # the slower target gets much less to do
+    for p in (demo, smol):
+        assert _work(p.quick) < _work(p.full)
+        assert {"c1", "c4", "c16"} <= {ld.name for ld in p.full.loads}  # the loads the figures quote
+        assert p.full.mixed in {ld.name for ld in p.full.loads}
+    assert {w for w, _ in smol.full.mix} == {"chat", "code"}
+    assert (demo.pipelining_min, smol.pipelining_min) == (1.15, 1.3)
+
+
+def _fake_pair(root: Path, chat: bool) -> Path:
+    for part in ("target", "draft"):
+        d = root / part
+        write_tokenizer(d)
+        (d / "config.json").write_text(json.dumps({"max_position_embeddings": 1024, "vocab_size": 320}))
+        if chat:
+            cfg = json.loads((d / "tokenizer_config.json").read_text())
+            cfg["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                                    "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+            (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (root / "report.json").write_text(json.dumps({"variant": "test", "settings": {
+        "max_file_bytes": 50_000, "max_total_bytes": 400_000, "heldout_percent": 10}}))
+    return root
+
+
+def test_missing_pair_is_skipped_with_how_to_build(tmp_path: Path) -> None:
+    pairs, skipped = find_pairs([_fake_pair(tmp_path / "demo", False), tmp_path / "smollm2"])
+    assert [p.name for p in pairs] == ["demo"]
+    assert len(skipped) == 1 and "model_zoo" in skipped[0] and "skipping" in skipped[0]
+
+
+def test_pool_mixes_chat_and_code_with_the_pairs_tokenizer(tmp_path: Path) -> None:
+    pair = Pair(_fake_pair(tmp_path / "chatty", True))
+    plan = PROFILES["smollm2"].quick
+    pool, notes = build_pool(pair, plan, 256, seed=0)
+    assert notes == [] and len(pool) == plan.pool_size
+    assert [p.pid for p in pool] == list(range(plan.pool_size))
+    chat = [p for p in pool if p.workload == "chat"]
+    assert len(chat) == plan.pool_size // 2 and len({tuple(p.ids) for p in chat}) == len(chat)
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_file(str(pair.target / "tokenizer.json")).decode(chat[0].ids, skip_special_tokens=False)
+    assert text.startswith("<s>user\n") and text.endswith("<s>assistant\n")
+    assert all(len(p.ids) + p.max_tokens + 16 <= pair.max_model_len for p in pool)
+    again, _ = build_pool(pair, plan, 256, seed=0)
+    assert [p.ids for p in again] == [p.ids for p in pool]  # same prompts in every mode and run
+
+
+def test_chat_falls_back_to_code_without_a_template(tmp_path: Path) -> None:
+    pair = Pair(_fake_pair(tmp_path / "plain", False))
+    pool, notes = build_pool(pair, PROFILES["smollm2"].quick, 256, seed=0)
+    assert {p.workload for p in pool} == {"code"} and "chat" in notes[0]
+    assert set(WORKLOADS) >= {"chat", "code"}
+
+
+# ---- figures, metrics, report -------------------------------------------------------------------
+
+
+def _summary(tps: float, **engine: float) -> dict:
+    return {"tokens_per_s": tps, "errors": 0, "requests": 1, "requests_per_s": 1.0, "ttft_ms": {"p50": 1, "p99": 2},
+            "itl_ms": {"p50": 1, "p90": 1, "p99": 2}, "e2e_s": {"p50": 1, "p99": 1}, "engine": engine}
+
+
+def _results() -> dict:
+    eng = {"pipeline_hit_rate": 0.85, "pipeline_miss_late": 0.1, "pipeline_miss_wrong": 0.05,
+           "router_over_target": 0.08, "router_ms_per_step": 0.8, "target_ms_per_step": 10.0}
+    per = {"1": 100.0, "2": 90.0, "3": 120.0, "4": 100.0, "5": 125.0, "6": 124.0, "hf": 110.0}
+    return {c: {load: _summary(v * (2 if load == "c16" else 1), **eng) for load in ("c1", "c4", "c16")}
+            for c, v in per.items()}
+
+
+def _by_what(figs: list[Figure]) -> dict[str, Figure]:
+    return {f.what: f for f in figs}
+
+
+def test_figures_two_device_smollm2() -> None:
+    figs = _by_what(figures("smollm2", "two-device", _results(), PROFILES["smollm2"]))
+    f = figs["pipelined (5) / sequential (4) tokens/s at c=1"]
+    assert f.value == pytest.approx(1.25) and f.threshold == 1.3 and f.status == "MISSED"
+    assert "MISSED by 0.05x" in f.verdict()
+    best = figs["defaults (6) / best config (5) tokens/s at c=1"]
+    assert best.value == pytest.approx(124 / 125) and best.status == "pass"
+    assert figs["single stream: defaults (6) / target-only (1) tokens/s"].status == "MISSED"  # 1.24 < 1.6
+    assert figs["single stream: defaults (6) / transformers assisted generation tokens/s"].status == "pass"
+    assert figs["pipeline hit rate, (5) at c=16"].status == "pass"
+    assert figs["router+RPC / target ms per step, (6) at c=1"].status == "pass"
+    assert len([f for f in figs if "target-only (1) tokens/s at" in f]) == 3  # every load
+
+
+def test_figures_shared_demo_and_missing_configs() -> None:
+    res = _results()
+    del res["4"]
+    res["6"]["c16"]["engine"]["router_over_target"] = 0.2
+    figs = figures("demo", "shared", res, PROFILES["demo"])
+    whats = {f.what for f in figs}
+    assert not any("sequential" in w or "single stream" in w for w in whats)  # two-device / SmolLM2 only
+    over = _by_what(figs)["router+RPC / target ms per step, (6) at c=16"]
+    assert over.status == "MISSED" and "2.0x the limit" in over.verdict()
+    res2 = {"1": res["1"]}
+    nan = figures("demo", "two-device", res2, PROFILES["demo"])
+    assert all(f.status == "n/a" for f in nan if "(6)" in f.what or "(5)" in f.what)
+    assert summary_lines([f.row() for f in nan])[-1].startswith("0 passed")
+
+
+def test_prom_derive_splits_misses_and_router_share() -> None:
+    st = "tandem:step_time_seconds"
+    d = {(f"{st}_count", (("part", "target"),)): 10.0, (f"{st}_sum", (("part", "target"),)): 0.2,
+         (f"{st}_sum", (("part", "router"),)): 0.01, (f"{st}_sum", (("part", "draft"),)): 0.0,
+         ("tandem:pipeline_lookups_total", ()): 20.0, ("tandem:pipeline_hits_total", ()): 15.0,
+         ("tandem:pipeline_misses_total", (("reason", "late"),)): 4.0,
+         ("tandem:pipeline_misses_total", (("reason", "wrong"),)): 1.0}
+    e = prom.derive(d, wall=1.0)
+    assert e["pipeline_hit_rate"] == 0.75 and e["pipeline_miss_late"] == 0.2 and e["pipeline_miss_wrong"] == 0.05
+    assert e["target_ms_per_step"] == pytest.approx(20.0) and e["router_over_target"] == pytest.approx(0.05)
+
+
+def test_report_renders_and_writes_strict_json(tmp_path: Path) -> None:
+    res = _results()
+    res["6"]["c1"]["engine"]["pipeline_hit_rate"] = math.nan
+    loads = [{"name": n, "label": n, "kind": "closed", "n_requests": 1, "concurrency": 1, "rate_frac": 0.0}
+             for n in ("c1", "c4", "c16")]
+    data = {"meta": {"command": "python -m bench", "date": "today", "quick": True, "budget": 256, "k_max": 4,
+                     "seed": 0, "modes": ["two-device"], "skipped": ["models/smollm2: no target/config.json"],
+                     "seconds": 60.0, "machine": {"cpus": 2, "cpu_model": "x", "torch": "2", "python": "3",
+                                                  "loadavg_start": [0], "loadavg_end": [0]}},
+            "configs": [{"key": k, "name": f"config {k}", "flags": [], "draft": True} for k in res],
+            "pairs": {"demo": {"facts": {"dir": "models/demo", "variant": "full", "target_params": 8e6,
+                                         "draft_params": 1e6, "draft_vocab_size": None, "vocab_size": 4096,
+                                         "max_model_len": 1024},
+                               "profile": "demo", "notes": [], "plan": {"loads": loads, "out_tokens": [8, 16],
+                                                                        "mixed": "c4"},
+                               "workload": {"prompts": 1, "by_kind": {"short": {"n": 1, "min": 3, "max": 3}}},
+                               "correctness": {"answers_compared": 7, "prompts": 1, "mismatches": 0}}},
+            "runs": [{"pair": "demo", "mode": "two-device", "pinning": "two-device: ...", "capacity_req_s": 1.0,
+                      "mixed": "c4", "anchor_agreement": "1/1", "seconds": 60.0, "failures": ["(3): hung"],
+                      "results": res}],
+            "figures": [f.row() for f in figures("demo", "two-device", res, PROFILES["demo"])]}
+    js, md = report.write(tmp_path, data, {"itl_samples": {}, "requests": {}})
+    json.loads(js.read_text())  # strict: NaN written as null
+    text = md.read_text()
+    assert "## Figures the issues ask for" in text and "## demo, two-device" in text
+    assert "**Skipped**" in text and "**Did not run** (3): hung" in text
+    assert "| pipelined (5) / sequential (4) tokens/s at c=1 | 1.25x | >= 1.15x | pass |" in text
+    assert "demo-two-device-itl_cdf.png" in text
+    saved = json.loads(js.read_text())["figures"]
+    assert [Figure.from_row(r).status for r in saved] == [r["status"] for r in data["figures"]]
+
+
+# ---- the anchor ---------------------------------------------------------------------------------
+
+
+def test_anchor_process_entry_matches_transformers_greedy(model_pair, tmp_path: Path) -> None:
+    from bench.workloads import Prompt
+    from tests.conftest import hf_greedy
+
+    target, _ = model_pair
+    prompts = [Prompt(0, [5, 9, 17, 33, 2], 6, "short", "test"), Prompt(1, list(range(3, 40)), 5, "medium", "test")]
+    src, dst = tmp_path / "in.json", tmp_path / "out.json"
+    src.write_text(json.dumps([p.__dict__ for p in prompts]))
+    assert anchor.main(["--models", str(target.parent), "--prompts", str(src), "--out", str(dst)]) == 0
+    rows = {r["pid"]: r for r in json.loads(dst.read_text())}
+    for p in prompts:
+        assert rows[p.pid]["tokens"] == hf_greedy(target, p.ids, p.max_tokens)
+        assert rows[p.pid]["error"] is None and rows[p.pid]["ttft"] <= rows[p.pid]["e2e"]
