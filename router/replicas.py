@@ -231,11 +231,14 @@ class Replicas:
     async def _probe(self, lane: Lane) -> None:
         lane.contact = time.monotonic()
         try:
-            await lane.target.info(timeout_s=1.0)
+            await lane.target.info(timeout_s=5.0)
         except ServiceDown as err:
+            if "DEADLINE_EXCEEDED" in str(err):
+                log.warning("target replica %s is slow to answer a probe: %s", lane.name, err)
+                return  # slow is not gone: its steps tell the difference
             log.error("target replica %s does not answer: %s", lane.name, err)
             self._lost(lane)
-        except Rejected:
+        except (Rejected, ServiceError):
             pass
 
     async def _recover(self, lane: Lane) -> None:

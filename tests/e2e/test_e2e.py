@@ -240,6 +240,10 @@ def test_target_killed_and_restarted_requests_recompute_or_fail_503(stack, clien
         assert ids == ref.greedy(ref.encode(prompt), 100)
     assert time.monotonic() - t0 < 120
     stack.wait_service("target", 60)
+    with http_client(stack, timeout=10) as http:  # the router takes the target back (lease, GetInfo) first
+        deadline = time.monotonic() + 60
+        while http.get(f"{stack.url}/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
     test_completions_greedy_equal_transformers(client, model, ref)
 
 
