@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import grpc
 
+from common.sampling import InvalidField
 from draft_service.proposer import BranchSpec, DraftRequest, Proposer, SparseQ
-from engine.runner import ModelRunner, SeqInput
+from engine.logits import Processors
+from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -16,7 +18,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
                  sparse_top_n: int = 32) -> None:
         self.worker = ModelWorker(runner, model_id, max_draft_tokens)
-        self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n)
+        self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n, self.worker.eos_ids)
 
     @rpc_errors
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
@@ -37,8 +39,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Release(self, request: common_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
         check_deadline(context)
-        free = await self.worker.run(self.worker.release, list(request.seq_ids))
+        free = await self.worker.run(self._release, list(request.seq_ids))
         return common_pb2.ReleaseResponse(free_blocks=free)
+
+    def _release(self, seq_ids: list[int]) -> int:
+        self.proposer.constraints.release(seq_ids)
+        return self.worker.release(seq_ids)
 
     # ---- on the model thread -----------------------------------------------------------------
     def _sync(self, request: draft_pb2.SyncRequest, deadline: float | None) -> draft_pb2.SyncResponse:
@@ -52,7 +58,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         requests = [
             DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k,
                          sampling_spec(e.sampling, f"entries[{n}].sampling"), e.num_verifying,
-                         [BranchSpec(b.accepted, b.rank) for b in e.branches])
+                         [BranchSpec(b.accepted, b.rank) for b in e.branches],
+                         _processors(e, f"entries[{n}].sampling"), e.grammar, e.prompt_len, e.fork_of)
             for n, e in enumerate(request.entries)
         ]
         out = self.proposer.propose(requests)
@@ -67,6 +74,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             ],
             forward_ms=out.forward_ms, forwards=out.forwards,
         )
+
+
+def _processors(e: draft_pb2.ProposeEntry, field: str) -> Processors | None:
+    try:
+        return Processors.from_proto(e.sampling, e.prompt_len)
+    except InvalidField as err:
+        raise InvalidInput(f"{field}.{err.field}", str(err).split(": ", 1)[-1]) from None
 
 
 def _dists(qs: list[SparseQ]) -> list[common_pb2.SparseDist]:
