@@ -19,6 +19,10 @@ from pathlib import Path
 
 import llguidance as llg
 
+# JSON is written as json.dumps writes it: a fixed separator, no free whitespace. Flexible whitespace lets a
+# model emit newlines forever inside a valid prefix (vLLM's disable_any_whitespace exists for the same reason).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 class GrammarError(ValueError):
     """The grammar (schema, regex, ...) cannot be compiled: the message says why."""
@@ -41,9 +45,10 @@ def compile_grammar(kind: str, value: object, tokenizer: llg.LLTokenizer | None 
     json_object, regex, choice (a list of strings) or grammar (Lark). Raises GrammarError."""
     try:
         if kind == "json_schema":
-            grammar = llg.LLMatcher.grammar_from_json_schema(value if isinstance(value, str) else json.dumps(value))
+            grammar = llg.LLMatcher.grammar_from_json_schema(value if isinstance(value, str) else json.dumps(value),
+                                                             defaults=JSON_LAYOUT)
         elif kind == "json_object":
-            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
         elif kind == "regex":
             grammar = llg.LLMatcher.grammar_from_regex(str(value))
         elif kind == "choice":

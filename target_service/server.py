@@ -198,7 +198,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidInput(field_k, f"{k} draft tokens with emit = false: nothing would judge them")
         if k > self.worker.max_draft_tokens:
             raise InvalidInput(field_k, f"{k} exceeds max_draft_tokens {self.worker.max_draft_tokens}")
-        if k >= len(tokens):
+        if k >= len(tokens) and tokens:
             raise InvalidInput(field_k, f"{k} draft tokens need {k + 1} tokens (the last emitted one first), "
                                         f"got {len(tokens)}")
         max_len = self.runner.max_model_len
