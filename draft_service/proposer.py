@@ -122,9 +122,10 @@ class Proposer:
         self.runner = runner
         self.max_draft_tokens = max_draft_tokens
         self.sparse_top_n = sparse_top_n
-        tokenizer = runner.model_dir / "tokenizer.json" if runner.model_dir else None
+        model_dir = getattr(runner, "model_dir", None)  # tests drive a Proposer without a loaded model
+        tokenizer = model_dir / "tokenizer.json" if model_dir else None
         self.constraints = Constraints(tokenizer if tokenizer and tokenizer.is_file() else None,
-                                       runner.model_config.vocab_size, eos_ids)
+                                       runner.model_config.vocab_size if model_dir else 0, eos_ids)
 
     # ---- validation (no side effects) ----------------------------------------------------
     def _check(self, items: Sequence[DraftRequest], where: str) -> None:

@@ -8,13 +8,16 @@
     apply       SeqGrammar.advance(emitted): the matcher consumes what the target emitted; a complete
                 grammar ends the sequence ("stop")
 The draft gets the grammar string once (its start_pos 0 entries) and keeps its own matcher per branch.
-Masks are packed bits (vocab / 8 bytes per position: 512 B on the demo vocabulary, 6 KB on 49k).
+Masks are packed bits, zlib-compressed for the wire: a JSON grammar's masks are long runs (all of a
+string's characters allowed, or only a few structural tokens), so a 6 KB mask of a 49k vocabulary
+shrinks to ~0.4 KB (measured: docs/architecture.md, "Structured output").
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,10 +103,9 @@ class SeqGrammar:
     def __init__(self, matcher: Matcher, stop_ids: frozenset[int]) -> None:
         self.matcher = matcher
         self.stop_ids = stop_ids
-        self.mask_bytes = 0  # what its masks cost on the wire, for the metric
 
     def masks(self, drafts: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """(the drafts worth verifying, one mask per decided position: len(drafts) + 1)."""
+        """(the drafts worth verifying, one wire mask per decided position: len(drafts) + 1)."""
         m = self.matcher
         masks = [m.mask()]
         kept: list[int] = []
@@ -113,8 +115,7 @@ class SeqGrammar:
             kept.append(d)
             masks.append(m.mask())
         m.rollback(len(kept))
-        self.mask_bytes += sum(map(len, masks))
-        return kept, masks
+        return kept, [zlib.compress(mask, 1) for mask in masks]  # 6 KB -> ~0.4 KB on a 49k vocabulary, ~18 us
 
     def advance(self, emitted: Sequence[int]) -> tuple[list[int], bool]:
         """Consume the target's tokens: (those to keep, whether the grammar is now complete)."""

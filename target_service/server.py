@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from dataclasses import dataclass, replace
 
 import grpc
@@ -212,7 +213,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if e.token_masks and (not e.emit or len(e.token_masks) != k + 1):
             raise InvalidInput(f"{where}.token_masks", f"{len(e.token_masks)} masks: an emitting entry needs one per "
                                                        f"decided position ({k + 1})")
-        if any(not m.strip(b"\0") for m in e.token_masks):
+        try:
+            masks = tuple(zlib.decompress(m) for m in e.token_masks)
+        except zlib.error as err:
+            raise InvalidInput(f"{where}.token_masks", f"not a zlib-compressed bitmask: {err}") from None
+        if any(not m.strip(b"\0") for m in masks):
             raise InvalidInput(f"{where}.token_masks", "a mask allows no token at all")
         if not e.emit:
             return _Entry(seq, False, 0, None, -1, processors, fork_of=e.fork_of)
@@ -226,7 +231,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         eps, delta = self._typical_params(e.sampling, f"{where}.sampling")
         verification = Verification(draft=draft, spec=spec, position=e.start_pos + len(tokens) - k,
                                     draft_dists=dists, rule=rule, typical_epsilon=eps, typical_delta=delta)
-        return _Entry(seq, True, k, verification, e.logprobs, processors, tuple(e.token_masks), e.fork_of)
+        return _Entry(seq, True, k, verification, e.logprobs, processors, masks, e.fork_of)
 
     def _processors(self, e: target_pb2.StepEntry, where: str) -> Processors | None:
         try:
