@@ -20,13 +20,14 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.protocol import CACHE_MISS_METADATA, PROTOCOL
+from common.protocol import CACHE_MISS_METADATA, NOT_OWNER_METADATA, PROTOCOL
 from common.reload import reload_on_sighup
 from common.sampling import SamplingParams
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from engine.attention import uses_flash
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
+from engine.lease import LeaseKeeper, NotOwner
 from engine.parallel import SINGLE, TensorParallel
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import SamplingSpec, validate_sampling
@@ -131,6 +132,8 @@ class ModelWorker:
         self.eos_ids = eos_token_ids(runner.model_dir) if runner.model_dir else []
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.in_flight = 0
+        self.lease = LeaseKeeper(self._free_all)
+        self.on_release: list[Callable[[list[int]], None]] = []  # state kept beside the KV (engine/logits.py)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         self.in_flight += 1
@@ -152,7 +155,18 @@ class ModelWorker:
 
     def release(self, seq_ids: list[int]) -> int:
         self.runner.release(seq_ids)
+        for hook in self.on_release:
+            hook(seq_ids)
         return self.runner.blocks.num_free
+
+    async def _free_all(self) -> None:
+        await self.run(lambda: self.release(list(self.runner.blocks.sequences())))
+
+    async def lease_rpc(self, request: common_pb2.LeaseRequest) -> common_pb2.LeaseResponse:
+        try:
+            return await self.lease.handle(request)
+        except ValueError as e:
+            raise InvalidInput("lease", str(e)) from None
 
 
 def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -166,6 +180,9 @@ def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except CacheMiss as e:
             context.set_trailing_metadata(((CACHE_MISS_METADATA, ",".join(map(str, e.seq_ids))),))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except NotOwner as e:
+            context.set_trailing_metadata(((NOT_OWNER_METADATA, e.owner),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KVCacheExhausted as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

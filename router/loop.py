@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.clients import CacheMissError, Rejected, ServiceDown, ServiceError, TargetClient
+from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
 from router.core import FinishReason, InternalError, SeqStatus, Sequence, TokenLogprob
 from router.drafting import DraftLane
@@ -50,7 +50,7 @@ class StepLoop:
     async def release_now(self, seq_ids: list[int]) -> None:
         try:
             await self.target.release(seq_ids)
-        except (ServiceDown, Rejected) as err:
+        except (ServiceDown, Rejected, ServiceError, NotOwner) as err:
             log.warning("target release failed: %s", err)
         self.draft.release(seq_ids)
         await self.draft.flush_releases()
@@ -91,7 +91,7 @@ class StepLoop:
                 if seq.seq_id in err.seq_ids:
                     seq.target_cached = 0
             return True
-        except ServiceDown as err:
+        except (ServiceDown, NotOwner) as err:
             log.error("target step failed: %s", err)
             self._on_target_lost()
             return True

@@ -63,6 +63,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.fail_on_token = fail_on_token  # fault injection for tests: a Step starting a sequence with it fails
         self.runner: ModelRunner = worker.runner
         self.history = TokenHistory()  # token ids of sequences with penalties (engine/logits.py)
+        worker.on_release.append(self.history.release)
 
     # ---- RPCs -----------------------------------------------------------------------------
     @rpc_errors
@@ -72,17 +73,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     async def Step(self, request: target_pb2.StepRequest, context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
+        self.worker.lease.check(context)
         return await self.worker.run(self.step, request, call_deadline(context))
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
-        free = await self.worker.run(self._release, list(request.seq_ids))
+        self.worker.lease.check(context)
+        free = await self.worker.run(self.worker.release, list(request.seq_ids))
         return common_pb2.ReleaseResponse(free_blocks=free)
 
-    def _release(self, seq_ids: list[int]) -> int:
-        self.history.release(seq_ids)
-        return self.worker.release(seq_ids)
+    @rpc_errors
+    async def Lease(self, request: common_pb2.LeaseRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.LeaseResponse:
+        return await self.worker.lease_rpc(request)
 
     # ---- the step (model thread) ----------------------------------------------------------
     @torch.inference_mode()

@@ -44,9 +44,14 @@ def test_greedy_over_tls_with_a_key_equals_transformers(secure_stack, client, mo
     grpc_matches_transformers(secure_stack, ref)
 
 
-def test_the_draft_speculates_over_its_mutual_tls_link(secure_stack):
+def test_the_draft_speculates_over_its_mutual_tls_link(secure_stack, client, model):
     with http_client(secure_stack) as http:
+        deadline = time.monotonic() + 60  # the draft may come up after the router (it is optional)
+        while not http.get(f"{secure_stack.url}/ready").json()["draft_available"] and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert http.get(f"{secure_stack.url}/ready").json()["draft_available"] is True
+        client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=96, temperature=0,
+                                  extra_body={"ignore_eos": True})
         drafted = [ln for ln in http.get(f"{secure_stack.url}/metrics").text.splitlines()
                    if ln.startswith("tandem:spec_decode_num_draft_tokens_total ")]
     assert float(drafted[0].split()[1]) > 0
