@@ -103,7 +103,7 @@ def markdown(res: dict) -> list[str]:
 
 
 def run(models: Path, n: int, out: Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs-structured").mkdir(parents=True, exist_ok=True)
     stack = Stack(models / "target", models / "draft", served_model_name=models.name, http_port=free_port(),
                   grpc_port=free_port(), target_port=free_port(), draft_port=free_port(),
                   router_args=["--log-level", "WARNING"], log_dir=out / "logs-structured")
