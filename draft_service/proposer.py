@@ -37,6 +37,12 @@ from engine.sampling import SamplingSpec, filtered_probs, sample, truncate_top, 
 from engine.transfer import to_lists
 
 DRAFT_STREAM = 0  # draw_uniform stream of the draft's own draws
+# The sparse q shipped per draft token: the top tokens up to SPARSE_Q_MASS of the distribution, at most
+# SPARSE_TOP_N. Measured on SmolLM2-135M as its own draft at temperature 1 (acceptance = the mass kept):
+# top-32 keeps 0.87 (code) / 0.94 (chat), top-1024 0.983 / 0.990; the 0.995 mass cut needs a median
+# of 38-566 tokens there and 4-13 at temperature 0.7, so peaked rows stay a few bytes on the wire.
+SPARSE_TOP_N = 1024
+SPARSE_Q_MASS = 0.995
 
 
 @dataclass(frozen=True)
@@ -115,13 +121,14 @@ class _Row:
 
 
 class Proposer:
-    def __init__(self, runner: ModelRunner, max_draft_tokens: int = 8, sparse_top_n: int = 32,
-                 eos_ids: Sequence[int] = ()) -> None:
-        if max_draft_tokens < 0 or sparse_top_n < 1:
-            raise ValueError("max_draft_tokens must be >= 0 and sparse_top_n >= 1")
+    def __init__(self, runner: ModelRunner, max_draft_tokens: int = 8, sparse_top_n: int = SPARSE_TOP_N,
+                 sparse_q_mass: float = SPARSE_Q_MASS, eos_ids: Sequence[int] = ()) -> None:
+        if max_draft_tokens < 0 or sparse_top_n < 1 or not 0.0 < sparse_q_mass <= 1.0:
+            raise ValueError("max_draft_tokens must be >= 0, sparse_top_n >= 1 and sparse_q_mass in (0, 1]")
         self.runner = runner
         self.max_draft_tokens = max_draft_tokens
         self.sparse_top_n = sparse_top_n
+        self.sparse_q_mass = sparse_q_mass
         model_dir = getattr(runner, "model_dir", None)  # tests drive a Proposer without a loaded model
         tokenizer = model_dir / "tokenizer.json" if model_dir else None
         self.constraints = Constraints(tokenizer if tokenizer and tokenizer.is_file() else None,
@@ -269,7 +276,7 @@ class Proposer:
         if sampled:
             specs = [rows[live[n]].request.spec for n in sampled]
             # q is the target's filtered distribution truncated to the top n: exactly what is sampled
-            ids, q = truncate_top(filtered_probs(logits[sampled], specs), self.sparse_top_n)
+            ids, q = truncate_top(filtered_probs(logits[sampled], specs), self.sparse_top_n, self.sparse_q_mass)
             # a draft sits at position + 1 (the next draw continues the token at `position`)
             draws = [(rows[live[n]].request.spec.seed, rows[live[n]].position + 1, DRAFT_STREAM) for n in sampled]
             picks = sample(q, uniforms(draws, q.device))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from common.sampling import InvalidField
-from draft_service.proposer import BranchSpec, DraftRequest, Proposer, SparseQ
+from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N, BranchSpec, DraftRequest, Proposer, SparseQ
 from engine.logits import Processors
 from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
@@ -16,9 +16,9 @@ SERVICE_NAME = "tandem.v1.DraftService"
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
-                 sparse_top_n: int = 32) -> None:
+                 sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS) -> None:
         self.worker = ModelWorker(runner, model_id, max_draft_tokens)
-        self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n, self.worker.eos_ids)
+        self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n, sparse_q_mass, self.worker.eos_ids)
         self.worker.on_release.append(self.proposer.constraints.release)
 
     @rpc_errors
@@ -93,8 +93,8 @@ def _dists(qs: list[SparseQ]) -> list[common_pb2.SparseDist]:
 
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
-                    sparse_top_n: int = 32) -> DraftServicer:
-    return DraftServicer(runner, model_id, max_draft_tokens, sparse_top_n)
+                    sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS) -> DraftServicer:
+    return DraftServicer(runner, model_id, max_draft_tokens, sparse_top_n, sparse_q_mass)
 
 
 def register(server: grpc.aio.Server, servicer: DraftServicer) -> None:

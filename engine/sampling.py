@@ -107,13 +107,19 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last)
 
 
-def truncate_top(probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep each row's n most likely tokens, renormalised: (ids [N, n], probs [N, n]).
+def truncate_top(probs: torch.Tensor, n: int, mass: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each row's most likely tokens, at most n of them and no more than it takes to reach
+    `mass`, renormalised: (ids [N, n], probs [N, n]; zeros past a row's cut).
 
     The draft samples from exactly this truncated distribution and ships it as its sparse q,
-    so what crosses the network is the true proposal distribution, not an approximation."""
+    so what crosses the network is the true proposal distribution, not an approximation. The
+    cut costs acceptance at most what it drops (the draft as its own target accepts exactly the
+    kept mass), so a mass cut keeps peaked rows small and wide ones wide."""
     n = min(n, probs.shape[-1])
     top_p, top_ids = probs.topk(n, dim=-1)
+    if mass < 1.0:
+        before = top_p.cumsum(-1) - top_p  # mass of the more likely tokens: keep while it is below `mass`
+        top_p = top_p.masked_fill(before >= mass, 0.0)
     return top_ids, top_p / top_p.sum(-1, keepdim=True)
 
 

@@ -149,15 +149,16 @@ class Speculator:
         """Without pipelining, decoders lacking a proposal get a plain one first (on the critical path)."""
         if not self.draft.up:
             return 0.0
-        t0 = time.perf_counter()
-        await self.draft.wait()  # the previous step's prompt mirroring
         running = [s for s in self.scheduler.running if not s.prefilling]
         lacking = [s for s in running if self.cap(s) > 0 and not self.proposal(s)[0]]
-        if lacking:
-            self.choose_ks(running, 0)  # sizes the proposals; a sequence held at k = 0 needs none
-            work = DraftWork()
-            for seq in lacking:
-                if seq.next_k > 0:
-                    work.add(seq, list(seq.tokens), seq.next_k, 0, seq.request.sampling_proto, [], self.draft.budget)
-            await self.draft.run(work)
+        if not lacking:
+            return 0.0  # no draft work: an idle router must be able to tell it did nothing
+        t0 = time.perf_counter()
+        await self.draft.wait()  # the previous step's prompt mirroring
+        self.choose_ks(running, 0)  # sizes the proposals; a sequence held at k = 0 needs none
+        work = DraftWork()
+        for seq in lacking:
+            if seq.next_k > 0:
+                work.add(seq, list(seq.tokens), seq.next_k, 0, seq.request.sampling_proto, [], self.draft.budget)
+        await self.draft.run(work)
         return (time.perf_counter() - t0) * 1000

@@ -110,7 +110,7 @@ def test_sampled_branches_ship_the_q_they_drew_from_and_reproduce(model_dir):
 
 def test_empirical_frequencies_match_shipped_q(model_dir):
     runner = runner_for(model_dir, num_blocks=2048)
-    proposer = Proposer(runner, sparse_top_n=3)
+    proposer = Proposer(runner, sparse_top_n=3, sparse_q_mass=1.0)
     prompt = toks(77, 7)
     spec = lambda seed: SamplingSpec(temperature=0.3, seed=seed)  # noqa: E731  sharp enough for a 3-way split
     counts: dict[int, int] = {}

@@ -58,7 +58,7 @@ def draft_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def svc(draft_dir):
     runner = ModelRunner.load(draft_dir, EngineConfig(num_blocks=1024, block_size=4, device="cpu"))
-    s = serve_runner(runner, max_draft_tokens=MAX_K, sparse_top_n=TOP_N)
+    s = serve_runner(runner, max_draft_tokens=MAX_K, sparse_top_n=TOP_N, sparse_q_mass=1.0)
     yield s
     s.channel.close()
     s.server.stop()

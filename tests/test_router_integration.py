@@ -188,3 +188,27 @@ def test_streaming_matches_non_streaming_and_ends_with_done(stack):
     assert ids == hf_greedy(target_dir, p, 30)
     assert text == complete(router.url, p, 30)["choices"][0]["text"]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_idle_sequential_router_sleeps(model_pair):
+    """--no-pipeline with nothing to do: the step loop must wait for work, not spin (it once did, so
+    the event loop never served /ready)."""
+    import time
+
+    target_dir, draft_dir = model_pair
+    target, trunner = start_target(target_dir)
+    draft, _ = start_draft(draft_dir)
+    router = start_router(RouterConfig(pipeline=False), target.address, draft.address, target_dir)
+    try:
+        complete(router.url, prompts(1)[0], 8)
+        calls = trunner.forward_calls
+        steps = router.call(_loop_steps(router))
+        time.sleep(1.0)
+        assert router.call(_loop_steps(router)) == steps and trunner.forward_calls == calls
+        assert httpx.get(f"{router.url}/ready", timeout=5).status_code == 200
+    finally:
+        router.stop(), target.stop(), draft.stop()
+
+
+async def _loop_steps(router) -> int:  # noqa: ANN001
+    return sum(lane.loop.steps for lane in router.server.engine.lanes.values())

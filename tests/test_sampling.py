@@ -82,3 +82,14 @@ def test_zero_probability_tokens_are_never_sampled():
                    torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)])
     picks = sample(probs, u)
     assert set(picks.tolist()) == {1, 3} and picks[-2] == 1 and picks[-1] == 3
+
+
+def test_truncate_top_stops_at_the_mass_asked_for():
+    """A mass cut keeps the fewest top tokens reaching it (the crossing one included), renormalised;
+    rows of different shapes keep different counts."""
+    probs = torch.tensor([[0.70, 0.25, 0.04, 0.01], [0.30, 0.30, 0.20, 0.20]])
+    ids, q = truncate_top(probs, 4, mass=0.9)
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(q[0], torch.tensor([0.70, 0.25, 0.0, 0.0]) / 0.95)
+    torch.testing.assert_close(q[1], torch.tensor([0.30, 0.30, 0.20, 0.20]))  # 0.8 < 0.9 before the last one
+    assert (truncate_top(probs, 2, mass=0.999)[1] > 0).sum(-1).tolist() == [2, 2], "at most n, whatever the mass"
