@@ -8,6 +8,7 @@ generation_config.json (as transformers and vLLM apply it), else OpenAI's defaul
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -43,6 +44,13 @@ class SamplingParams:
     top_k: int = 0  # 0: disabled
     seed: int | None = None  # set: reproducible whatever shares the batch
     typical_acceptance: bool = False  # lossy opt-in (Medusa); strict rejection sampling otherwise
+    # logits processors (proto/tandem/v1/common.proto says how each applies)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -56,23 +64,65 @@ class SamplingParams:
             raise InvalidField(name, problems[0].split(" ", 1)[1])
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidField("seed", "must be in [0, 2^63)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidField(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidField("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise InvalidField("logit_bias", "each bias must be in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidField("logit_bias", "token ids must be distinct")
+        if self.min_tokens < 0:
+            raise InvalidField("min_tokens", f"must be >= 0, got {self.min_tokens}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor is on (else the services skip that work entirely)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: a seeded request's choices get distinct derived seeds
+        (the same seed would draw the same tokens), choice 0 keeps the request's own."""
+        if index == 0 or self.seed is None:
+            return self
+        digest = hashlib.blake2b(f"{self.seed}:choice:{index}".encode(), digest_size=8).digest()
+        return dataclasses.replace(self, seed=int.from_bytes(digest, "little") >> 1)
 
     def updated(self, **given: object) -> SamplingParams:
         """These defaults with the request's own values (None = not given) on top."""
         return dataclasses.replace(self, **{k: v for k, v in given.items() if v is not None})
 
-    def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(
+    def to_proto(self, held_back: tuple[int, ...] = ()) -> common_pb2.SamplingParams:
+        """The wire form. held_back: the ids min_tokens keeps out besides stop_token_ids (EOS), sent
+        only while min_tokens matters; processors left at their defaults are not sent at all."""
+        msg = common_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             acceptance=common_pb2.ACCEPTANCE_TYPICAL if self.typical_acceptance else common_pb2.ACCEPTANCE_STRICT)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                setattr(msg, name, getattr(self, name))
+        if self.repetition_penalty != 1.0:
+            msg.repetition_penalty = self.repetition_penalty
+        msg.logit_bias.update(dict(self.logit_bias))
+        if self.min_tokens:
+            msg.min_tokens = self.min_tokens
+            msg.stop_token_ids.extend(sorted(set(self.stop_token_ids) | set(held_back)))
+        return msg
 
     @staticmethod
     def given_in(msg: common_pb2.SamplingParams) -> dict[str, object]:
         """The fields a proto message sets (for updated())."""
-        given: dict[str, object] = {name: getattr(msg, name) for name in ("temperature", "top_p", "top_k", "seed")
-                                    if msg.HasField(name)}
+        names = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "min_tokens")
+        given: dict[str, object] = {name: getattr(msg, name) for name in names if msg.HasField(name)}
         if msg.acceptance == common_pb2.ACCEPTANCE_TYPICAL:
             given["typical_acceptance"] = True
+        if msg.logit_bias:
+            given["logit_bias"] = tuple(sorted(msg.logit_bias.items()))
+        if msg.stop_token_ids:
+            given["stop_token_ids"] = tuple(msg.stop_token_ids)
         return given
 
     @classmethod
@@ -80,7 +130,8 @@ class SamplingParams:
         """The checkpoint's sampling defaults (generation_config.json); do_sample false means greedy."""
         path = Path(model_dir) / "generation_config.json"
         raw = json.loads(path.read_text()) if path.is_file() else {}
+        repetition = float(raw.get("repetition_penalty", 1.0) or 1.0)  # applied by default, as vLLM does
         if raw.get("do_sample") is False:
-            return cls(temperature=0.0)
+            return cls(temperature=0.0, repetition_penalty=repetition)
         return cls(temperature=float(raw.get("temperature", 1.0)), top_p=float(raw.get("top_p", 1.0)),
-                   top_k=int(raw.get("top_k", 0) or 0))
+                   top_k=int(raw.get("top_k", 0) or 0), repetition_penalty=repetition)

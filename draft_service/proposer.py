@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_service.constraints import Constraints, RowState
 from engine.kv_cache import blocks_for
+from engine.logits import Processors
 from engine.runner import CacheMiss, InvalidInput, ModelRunner, SeqInput
 from engine.sampling import SamplingSpec, filtered_probs, sample, truncate_top, uniforms
 from engine.transfer import to_lists
@@ -58,6 +60,10 @@ class DraftRequest:
     spec: SamplingSpec = SamplingSpec()
     num_verifying: int = 0  # the last v of `tokens` are drafts under verification
     branches: Sequence[BranchSpec] = ()  # empty: one plain continuation after all of `tokens`
+    processors: Processors | None = None  # logits processors (engine/logits.py), as on the target
+    grammar: str = ""  # structured output: the sequence's grammar (with its start_pos 0 entries)
+    prompt_len: int = 0
+    fork_of: int = 0  # n choices: start as a fork of this sequence's first start_pos tokens
 
     @property
     def end(self) -> int:
@@ -111,17 +117,22 @@ class _Row:
     out: Continuation
     feed: int  # the token fed in the next round (-1: the first draw comes from round 0; -2: done)
     position: int  # where `feed` goes: the position of the token the next draw continues
+    state: RowState | None = None  # grammar and processors, when the sequence has any
 
 
 class Proposer:
     def __init__(self, runner: ModelRunner, max_draft_tokens: int = 8, sparse_top_n: int = SPARSE_TOP_N,
-                 sparse_q_mass: float = SPARSE_Q_MASS) -> None:
+                 sparse_q_mass: float = SPARSE_Q_MASS, eos_ids: Sequence[int] = ()) -> None:
         if max_draft_tokens < 0 or sparse_top_n < 1 or not 0.0 < sparse_q_mass <= 1.0:
             raise ValueError("max_draft_tokens must be >= 0, sparse_top_n >= 1 and sparse_q_mass in (0, 1]")
         self.runner = runner
         self.max_draft_tokens = max_draft_tokens
         self.sparse_top_n = sparse_top_n
         self.sparse_q_mass = sparse_q_mass
+        model_dir = getattr(runner, "model_dir", None)  # tests drive a Proposer without a loaded model
+        tokenizer = model_dir / "tokenizer.json" if model_dir else None
+        self.constraints = Constraints(tokenizer if tokenizer and tokenizer.is_file() else None,
+                                       runner.model_config.vocab_size if model_dir else 0, eos_ids)
 
     # ---- validation (no side effects) ----------------------------------------------------
     def _check(self, items: Sequence[DraftRequest], where: str) -> None:
@@ -160,8 +171,14 @@ class Proposer:
                 fork_len = q.end - q.num_verifying + branch.accepted
                 fork_blocks += blocks_for(fork_len + q.k, r.blocks.block_size) - fork_len // r.blocks.block_size
             forks += len(q.branches)
-            if q.start_pos > r.cached_len(q.seq_id):
+            needs_history = bool(q.grammar) or q.processors is not None or q.seq_id in self.constraints.states
+            if not self.constraints.check(q.seq_id, q.start_pos, q.grammar, needs_history, at):
                 missing.append(q.seq_id)
+            elif q.start_pos > r.cached_len(q.seq_id):
+                if q.fork_of and q.fork_of != q.seq_id and r.cached_len(q.fork_of) >= q.start_pos:
+                    fork_blocks += 1 if q.start_pos % r.blocks.block_size else 0
+                else:
+                    missing.append(q.seq_id)
             total += len(q.tokens)
         if max(total, forks) > r.config.max_batch_tokens:  # a round feeds one token per branch
             raise InvalidInput(where, f"{total} tokens or {forks} branches exceed max_batch_tokens "
@@ -175,12 +192,21 @@ class Proposer:
     def sync(self, chunks: Sequence[SeqInput]) -> list[int]:
         """Cache position-addressed chunks of many sequences in one forward; cached_len per chunk."""
         self._check([DraftRequest(c.seq_id, c.start_pos, c.tokens, 0) for c in chunks], "chunks")
+        for c in chunks:
+            if (state := self.constraints.states.get(c.seq_id)) is not None:
+                self.constraints.begin(c.seq_id, c.start_pos, c.tokens, state.processors, "", state.prompt_len)
         self.runner.forward([SeqInput(c.seq_id, c.start_pos, c.tokens, num_logits=0) for c in chunks])
         return [self.runner.cached_len(c.seq_id) for c in chunks]
 
     def propose(self, requests: Sequence[DraftRequest]) -> Proposals:
         self._check(requests, "entries")
         t0 = time.perf_counter()
+        for q in requests:
+            if q.fork_of and q.start_pos > self.runner.cached_len(q.seq_id):
+                self.runner.release([q.seq_id])
+                self.runner.fork(q.fork_of, q.seq_id, q.start_pos)
+                self.constraints.fork(q.fork_of, q.seq_id, q.start_pos)
+            self.constraints.begin(q.seq_id, q.start_pos, q.tokens, q.processors, q.grammar, q.prompt_len)
         results = [DraftResult(q.seq_id) for q in requests]
         wanted = [(q.num_verifying + 1 if q.branches else 1) if q.k else 0 for q in requests]
         logits = self.runner.forward([SeqInput(q.seq_id, q.start_pos, q.tokens, num_logits=n)
@@ -190,17 +216,23 @@ class Proposer:
             if q.k == 0:
                 continue
             if not q.branches:  # d_1 from the last position; the sequence itself carries the rest
-                rows.append(_Row(q.seq_id, q, res.plain, -1, q.end - 1))
+                rows.append(_Row(q.seq_id, q, res.plain, -1, q.end - 1, self.constraints.row(q.seq_id, q.end, True)))
                 first.append(rows_logits[-1])
                 continue
             for spec in q.branches:
-                token = self._guess(rows_logits[spec.accepted], q, spec)
-                child = -1 - len(forks)  # temporary ids: never a router's (non-negative) seq_id
                 fork_len = q.end - q.num_verifying + spec.accepted
+                state = self.constraints.row(q.seq_id, fork_len, False)
+                guess_logits = rows_logits[spec.accepted:spec.accepted + 1]
+                if state is not None:
+                    guess_logits = state.process(guess_logits, fork_len)
+                token = self._guess(guess_logits[0], q, spec)
+                if state is not None:
+                    state.advance(token)
+                child = -1 - len(forks)  # temporary ids: never a router's (non-negative) seq_id
                 self.runner.fork(q.seq_id, child, fork_len)
                 forks.append(child)
                 res.branches.append(Continuation(spec.accepted, token))
-                rows.append(_Row(child, q, res.branches[-1], token, fork_len))
+                rows.append(_Row(child, q, res.branches[-1], token, fork_len, state))
         try:
             plain = [i for i, row in enumerate(rows) if row.feed < 0]
             if plain:
@@ -214,6 +246,8 @@ class Proposer:
             self.runner.release(forks)
         for q, res in zip(requests, results, strict=True):
             res.cached_len = self.runner.cached_len(q.seq_id)
+            if q.k and not q.branches:
+                self.constraints.after(q.seq_id, res.plain.drafts[:-1])
         return Proposals(results, (time.perf_counter() - t0) * 1e3, forwards)
 
     @staticmethod
@@ -228,6 +262,12 @@ class Proposer:
         """Append one draft to each live row, sampling the sparse q it then ships; a row with all
         its k drafts stops feeding (its last draft is never cached)."""
         drawn: list[int] = [0] * len(live)
+        active = [n for n, i in enumerate(live) if rows[i].state is not None and rows[i].state.active]
+        if active:
+            logits = logits.clone()
+            for n in active:
+                row = rows[live[n]]
+                logits[n:n + 1] = row.state.process(logits[n:n + 1], row.position + 1)  # type: ignore[union-attr]
         greedy = [n for n, i in enumerate(live) if rows[i].request.spec.greedy]
         sampled = [n for n, i in enumerate(live) if not rows[i].request.spec.greedy]
         if greedy:
@@ -250,3 +290,5 @@ class Proposer:
             row.out.drafts.append(drawn[n])
             row.position += 1
             row.feed = drawn[n] if len(row.out.drafts) < row.request.k else -2
+            if row.state is not None and row.feed >= 0:  # the last draft is neither cached nor continued
+                row.state.advance(drawn[n])

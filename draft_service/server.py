@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import grpc
 
+from common.sampling import InvalidField
 from common.tracing import Tracing
 from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N, BranchSpec, DraftRequest, Proposer, SparseQ
-from engine.runner import ModelRunner, SeqInput
+from engine.logits import Processors
+from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -20,7 +22,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                  sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS,
                  tracing: Tracing | None = None) -> None:
         self.worker = ModelWorker(runner, model_id, max_draft_tokens)
-        self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n, sparse_q_mass)
+        self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n, sparse_q_mass, self.worker.eos_ids)
+        self.worker.on_release.append(self.proposer.constraints.release)
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
 
     @rpc_errors
@@ -65,7 +68,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         requests = [
             DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k,
                          sampling_spec(e.sampling, f"entries[{n}].sampling"), e.num_verifying,
-                         [BranchSpec(b.accepted, b.rank) for b in e.branches])
+                         [BranchSpec(b.accepted, b.rank) for b in e.branches],
+                         _processors(e, f"entries[{n}].sampling"), e.grammar, e.prompt_len, e.fork_of)
             for n, e in enumerate(request.entries)
         ]
         out = self.proposer.propose(requests)
@@ -80,6 +84,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             ],
             forward_ms=out.forward_ms, forwards=out.forwards,
         )
+
+
+def _processors(e: draft_pb2.ProposeEntry, field: str) -> Processors | None:
+    try:
+        return Processors.from_proto(e.sampling, e.prompt_len)
+    except InvalidField as err:
+        raise InvalidInput(f"{field}.{err.field}", str(err).split(": ", 1)[-1]) from None
 
 
 def _dists(qs: list[SparseQ]) -> list[common_pb2.SparseDist]:

@@ -139,6 +139,7 @@ class ModelWorker:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.in_flight = 0
         self.lease = LeaseKeeper(self._free_all)
+        self.on_release: list[Callable[[list[int]], None]] = []  # state kept beside the KV (engine/logits.py)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         self.in_flight += 1
@@ -161,10 +162,12 @@ class ModelWorker:
 
     def release(self, seq_ids: list[int]) -> int:
         self.runner.release(seq_ids)
+        for hook in self.on_release:
+            hook(seq_ids)
         return self.runner.blocks.num_free
 
     async def _free_all(self) -> None:
-        await self.run(lambda: self.runner.release(self.runner.blocks.sequences()))
+        await self.run(lambda: self.release(list(self.runner.blocks.sequences())))
 
     async def lease_rpc(self, request: common_pb2.LeaseRequest) -> common_pb2.LeaseResponse:
         try:

@@ -19,6 +19,7 @@ from tandem.v1 import common_pb2
 if TYPE_CHECKING:
     from router.lanes import Lane
     from router.output import OutputBuilder
+    from router.structured import Constraint, SeqGrammar
 
 RequestError = InvalidField  # bad input: HTTP 400 / gRPC INVALID_ARGUMENT, naming the field
 GREEDY = SamplingParams(temperature=0.0)
@@ -49,11 +50,15 @@ class Request:
     max_speculative_tokens: int | None = None  # per-request cap on k; 0 = no speculation
     ignore_eos: bool = False
     tandem_metrics: bool = False  # report this request's figures (router.request_stats) with its usage
+    n: int = 1  # choices: n sequences from one prompt, computed once
+    constraint: Constraint | None = None  # structured output, as the door read it
+    grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)
+    eos_ids: tuple[int, ...] = ()  # set by RouterEngine.submit: what min_tokens holds back with stop_token_ids
 
     @cached_property
     def sampling_proto(self) -> common_pb2.SamplingParams:
         """The wire form, built once: every step of the request sends it."""
-        return self.sampling.to_proto()
+        return self.sampling.to_proto(held_back=() if self.ignore_eos else self.eos_ids)
 
     @property
     def reproducible(self) -> bool:
@@ -86,6 +91,7 @@ class Delta:
     error: Exception | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    index: int = 0  # which of the request's n choices
 
 
 class SeqStatus(enum.Enum):
@@ -121,8 +127,20 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)  # its timeline and speculation figures
     first_token_time: float | None = None
     last_token_time: float | None = None
-    outputs: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)  # shared by a request's n choices
     finished: bool = False
+    grammar: SeqGrammar | None = None  # structured output: the grammar state over the accepted output
+    index: int = 0  # choice index (n > 1)
+    fork_parent: Sequence | None = None  # choices 1..n-1: the choice-0 sequence whose prompt they share
+    forks: list[Sequence] = field(default_factory=list)  # choice 0: its siblings
+
+    @property
+    def waits_for_fork(self) -> bool:
+        """A sibling whose leader is still computing the shared prompt: it forks from the leader's cache
+        in the step that finishes it instead of prefilling (later, or after a preemption, it prefills)."""
+        p = self.fork_parent
+        return (p is not None and self.num_output == 0 and self.target_cached == 0 and not p.finished
+                and p.status is SeqStatus.RUNNING and p.num_output == 0)
 
     @property
     def num_output(self) -> int:

@@ -73,7 +73,12 @@ class DraftWork:
             branches: list[tuple[int, int]], budget: int) -> bool:
         """Add seq's entry unless the draft's batch budget is spent; False when it was not added."""
         held = seq.draft_stream[: seq.draft_cached]
+        fork_of = 0
+        parent = seq.fork_parent
+        if not held and parent is not None and not parent.finished and parent.draft_cached >= seq.num_prompt:
+            held, fork_of = parent.draft_stream[: seq.num_prompt], parent.seq_id  # n > 1: share its prompt's KV
         start = common_prefix(held, base, len(base) - v - 1 if k else len(base))
+        fork_of = fork_of if start else 0
         tokens = base[start:]
         if not tokens:
             return True
@@ -84,7 +89,8 @@ class DraftWork:
             return False
         self.entries.append(draft_pb2.ProposeEntry(
             seq_id=seq.seq_id, start_pos=start, tokens=tokens, k=k, sampling=sampling, num_verifying=v,
-            branches=[draft_pb2.Branch(accepted=j, rank=r) for j, r in branches]))
+            branches=[draft_pb2.Branch(accepted=j, rank=r) for j, r in branches], prompt_len=seq.num_prompt,
+            grammar=seq.request.grammar if start == 0 else "", fork_of=fork_of))
         self.seqs.append(seq)
         self.bases.append(base)
         self.epochs.append(seq.cache_epoch)

@@ -8,6 +8,8 @@ requests once (submit), runs one step loop per target replica, and rides out los
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import logging
 import random
@@ -38,33 +40,40 @@ from router.metrics import Metrics
 from router.output import OutputBuilder
 from router.replicas import Replicas
 from router.request_stats import about
+from router.structured import Grammars
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
+MAX_CHOICES = 16  # n per request
 
 
 class RequestStream:
-    """The outputs of one submitted request. Closing it before the last Delta aborts the request
-    and frees its KV in both services."""
+    """The outputs of one submitted request (its n choices interleaved, each Delta naming its index).
+    Closing it before the last Delta aborts the request and frees its KV in both services."""
 
-    def __init__(self, engine: RouterEngine, seq: Sequence) -> None:
-        self._engine, self.seq = engine, seq
-        self._done = False
+    def __init__(self, engine: RouterEngine, seqs: list[Sequence]) -> None:
+        self._engine, self.seqs = engine, seqs
+        self.seq = seqs[0]
+        self._running = len(seqs)
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> Delta:
-        if self._done:
+        if not self._running:
             raise StopAsyncIteration
         delta = await self.seq.outputs.get()
-        self._done = delta.finish_reason is not None
+        if delta.finish_reason is not None:
+            self._running -= 1
+            if delta.error is not None:  # one choice failed: the request fails
+                self._running = 0
         return delta
 
     async def aclose(self) -> None:
-        self._done = True
-        if not self.seq.finished:
-            self._engine.finish(self.seq, FinishReason.ABORT, None)
+        self._running = 0
+        for seq in self.seqs:
+            if not seq.finished:
+                self._engine.finish(seq, FinishReason.ABORT, None)
 
 
 class RouterEngine:
@@ -81,11 +90,17 @@ class RouterEngine:
                                  self.finish)
         self._ids = itertools.count(random.getrandbits(31) << 20)  # fresh ids per router instance
         self._seqs: dict[int, Sequence] = {}
+        self.tokenizer_dir = Path(tokenizer_dir)
+        self._grammars: Grammars | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, wait_s: float = 300.0) -> None:
         """Wait (up to wait_s) until at least one target answers; check compatibility; start."""
         await self.replicas.start(wait_s)
+        info = self.target_info
+        if info is not None:  # the grammar engine's view of the vocabulary: ~0.4 s on 49k tokens, off the loop
+            self._grammars = await asyncio.to_thread(Grammars, self.tokenizer_dir, info.vocab_size,
+                                                     info.eos_token_ids)
         log.info("router ready: %s; sampling defaults %s", ", ".join(
             f"{n} (draft {lane.draft_address})" for n, lane in self.lanes.items()), self.sampling_defaults)
 
@@ -147,7 +162,21 @@ class RouterEngine:
             raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
             raise RequestError("max_speculative_tokens", "must be >= 0")
+        ids = [t for t, _ in req.sampling.logit_bias] + list(req.sampling.stop_token_ids)
+        if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
+            raise RequestError("logit_bias" if req.sampling.logit_bias else "stop_token_ids",
+                               f"token ids must be in [0, {info.vocab_size})")
+        if not 1 <= req.n <= MAX_CHOICES:
+            raise RequestError("n", f"must be in [1, {MAX_CHOICES}], got {req.n}")
         return req.max_tokens if req.max_tokens is not None else limit - n
+
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:  # built at start; here only for an engine started without a target
+            info = self.target_info
+            assert info is not None, "engine not started"
+            self._grammars = Grammars(self.tokenizer_dir, info.vocab_size, info.eos_token_ids)
+        return self._grammars
 
     def submit(self, req: Request, trace_parent: Context | None = None) -> RequestStream:
         """Validate and queue a request (synchronous: raises before anything is queued).
@@ -161,23 +190,40 @@ class RouterEngine:
         if waiting >= self.config.max_waiting * len(self.lanes):
             raise Overloaded(f"{waiting} requests waiting; try again later")
         lane = choose_lane(lanes) or lanes[0]
-        eos = set(self.target_info.eos_token_ids) if self.target_info else set()
-        seq = Sequence(seq_id=next(self._ids), request=req, tokens=list(req.prompt_ids), num_prompt=len(req.prompt_ids),
-                       output=OutputBuilder(self.codec.tokenizer, req, eos, max_tokens), lane=lane)
-        self._seqs[seq.seq_id] = seq
-        if self.config.tracer is not None:
-            seq.stats.trace = self.config.tracer.request(seq, trace_parent)
-        log.debug("queued on %s: %d prompt tokens, max_tokens %d", lane.name, len(req.prompt_ids), max_tokens,
-                  extra=about(seq))
-        lane.scheduler.add(seq)
-        self.metrics.replica_assigned.labels(replica=lane.name).inc()
+        eos = tuple(self.target_info.eos_token_ids) if self.target_info else ()
+        grammar = self.grammars.compile(req.constraint) if req.constraint is not None else ""
+        req = dataclasses.replace(req, eos_ids=eos, grammar=grammar)
+        seqs: list[Sequence] = []
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        for i in range(req.n):  # one lane for all: the siblings fork the first one's prompt there
+            choice = req if i == 0 else dataclasses.replace(req, sampling=req.sampling.for_choice(i))
+            seq = Sequence(seq_id=next(self._ids), request=choice, tokens=list(req.prompt_ids),
+                           num_prompt=len(req.prompt_ids), output=OutputBuilder(self.codec.tokenizer, choice, set(eos),
+                                                                                max_tokens, i),
+                           lane=lane, outputs=queue, index=i, fork_parent=seqs[0] if seqs else None,
+                           grammar=self.grammars.state(grammar) if grammar else None)
+            if seqs:
+                seqs[0].forks.append(seq)
+            seqs.append(seq)
+            self._seqs[seq.seq_id] = seq
+            if self.config.tracer is not None:
+                seq.stats.trace = self.config.tracer.request(seq, trace_parent)
+            log.debug("queued on %s: %d prompt tokens, max_tokens %d", lane.name, len(req.prompt_ids), max_tokens,
+                      extra=about(seq))
+            lane.scheduler.add(seq)
+        self.metrics.replica_assigned.labels(replica=lane.name).inc(req.n)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        if grammar:
+            self.metrics.structured_requests.labels(kind=req.constraint.kind).inc()  # type: ignore[union-attr]
         lane.wake.set()
-        return RequestStream(self, seq)
+        return RequestStream(self, seqs)
 
     # ---- loop callbacks --------------------------------------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
-        kept, delta = seq.output.add(tokens, logprobs)
+        complete = False
+        if seq.grammar is not None:
+            tokens, complete = seq.grammar.advance(tokens)
+        kept, delta = seq.output.add(tokens, logprobs, last=complete)
         seq.tokens.extend(kept)
         now = time.monotonic()
         if kept:

@@ -14,6 +14,7 @@ from common.tracing import extract
 from router.core import Delta, Overloaded, Request, RequestError, ServiceUnavailable
 from router.engine import RequestStream, RouterEngine
 from router.request_stats import report
+from router.structured import Constraint
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.Generate"
@@ -47,7 +48,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, stop=tuple(msg.stop),
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
             max_speculative_tokens=msg.max_speculative_tokens if msg.HasField("max_speculative_tokens") else None,
-            ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics,
+            ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics, constraint=_constraint(msg),
         )
 
     async def _submit(self, msg: generate_pb2.GenerateRequest,
@@ -82,6 +83,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         finally:
             await stream.aclose()
         return _response(req, deltas, stream)
+
+
+def _constraint(msg: generate_pb2.GenerateRequest) -> Constraint | None:
+    kind = msg.structured_output.WhichOneof("kind") if msg.HasField("structured_output") else None
+    if kind is None:
+        return None
+    so = msg.structured_output
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return Constraint(kind, None if kind == "json_object" else value, f"structured_output.{kind}")
 
 
 async def _check(delta: Delta, context: grpc.aio.ServicerContext) -> None:

@@ -24,7 +24,7 @@ from common.logs import bind
 from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
 from router.engine import RequestStream, RouterEngine
 from router.openai_format import ChatFormat, CompletionFormat
-from router.openai_types import ChatBody, CompletionBody
+from router.openai_types import HARMLESS, ChatBody, CompletionBody, _Common
 from router.request_stats import report
 from router.tracing import RouterTracer
 
@@ -105,8 +105,12 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise _HTTPError(error(400, f"malformed JSON: {err}")) from None
     if not isinstance(data, dict):
         raise _HTTPError(error(400, "body must be a JSON object"))
+    unknown = model.unsupported(data) if issubclass(model, _Common) else []
+    if unknown:
+        raise _HTTPError(error(400, f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
+                                    f"(Tandem does not implement {'them' if len(unknown) > 1 else 'it'})", unknown[0]))
     try:
-        return model.model_validate(data)
+        return model.model_validate({k: v for k, v in data.items() if k not in HARMLESS})
     except ValidationError as err:
         loc, msg = _describe(err.errors())
         raise _HTTPError(error(400, f"{loc}: {msg}", loc or None)) from None
@@ -171,7 +175,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         return await collect(request, fmt, stream)
 
     async def sse(fmt, stream: RequestStream, usage: bool) -> AsyncIterator[str]:  # noqa: ANN001
-        last: Delta | None = None
+        seen: list[Delta] = []
         try:
             async for delta in stream:
                 if delta.error is not None:
@@ -179,9 +183,9 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
                     break
                 if delta.text or delta.token_ids or delta.finish_reason:
                     yield f"data: {json.dumps(fmt.chunk(delta))}\n\n"
-                last = delta
-            if usage and last is not None:
-                yield f"data: {json.dumps(fmt.usage_chunk(last))}\n\n"
+                seen.append(delta)
+            if usage and seen:
+                yield f"data: {json.dumps(fmt.usage_chunk(seen))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await stream.aclose()  # a client that went away frees its KV in both services

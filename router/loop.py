@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
-from router.core import FinishReason, InternalError, Sequence, TokenLogprob
+from router.core import FinishReason, InternalError, SeqStatus, Sequence, TokenLogprob
 from router.drafting import DraftLane
 from router.metrics import Metrics
 from router.request_stats import about, dispatched
@@ -118,22 +118,38 @@ class StepLoop:
         return True
 
     def _entries(self, plan: StepPlan) -> tuple[list[target_pb2.StepEntry], list[list[int]]]:
+        """The Step's entries: decodes, prompt chunks, then the siblings (n > 1) forked from a prompt it finishes."""
         entries, sent = [], []
+        siblings = plan.siblings
         for seq, k in plan.decodes:
             drafts, probs = self.spec.matched.get(seq.seq_id, ([], []))
             drafts = drafts[:k]
+            masks: list[bytes] = []
+            if seq.grammar is not None:
+                drafts, masks = seq.grammar.masks(drafts)
             n = len(seq.tokens)
             assert seq.target_cached == n - 1, f"seq {seq.seq_id}: target holds {seq.target_cached}, history {n}"
             greedy = seq.request.sampling.greedy
             entries.append(target_pb2.StepEntry(
                 seq_id=seq.seq_id, start_pos=n - 1, tokens=[seq.tokens[-1], *drafts], emit=True,
                 num_draft_tokens=len(drafts), draft_probs=[] if greedy else probs[:len(drafts)],
-                sampling=seq.request.sampling_proto, logprobs=self._lp(seq)))
+                sampling=seq.request.sampling_proto, logprobs=self._lp(seq), token_masks=masks,
+                prompt_len=seq.num_prompt))
             sent.append(drafts)
         for c in plan.chunks:
             entries.append(target_pb2.StepEntry(
                 seq_id=c.seq.seq_id, start_pos=c.start, tokens=c.seq.tokens[c.start:c.end], emit=c.emit,
-                sampling=c.seq.request.sampling_proto, logprobs=self._lp(c.seq)))
+                sampling=c.seq.request.sampling_proto, logprobs=self._lp(c.seq), prompt_len=c.seq.num_prompt,
+                token_masks=c.seq.grammar.masks([])[1] if c.emit and c.seq.grammar is not None else []))
+            self.metrics.prompt_tokens_computed.inc(c.end - c.start)
+            if c.emit:
+                siblings.extend(s for s in c.seq.forks if s.waits_for_fork and s.status is SeqStatus.RUNNING)
+        for s in siblings:  # the prompt is computed once: each sibling forks it and samples its own first token
+            entries.append(target_pb2.StepEntry(
+                seq_id=s.seq_id, start_pos=s.num_prompt, emit=True, fork_of=s.fork_parent.seq_id,  # type: ignore[union-attr]
+                sampling=s.request.sampling_proto, logprobs=self._lp(s), prompt_len=s.num_prompt,
+                token_masks=s.grammar.masks([])[1] if s.grammar is not None else []))
+        self.metrics.grammar_mask_bytes.inc(sum(len(m) for e in entries for m in e.token_masks))
         return entries, sent
 
     @staticmethod
@@ -143,7 +159,15 @@ class StepLoop:
     # ---- results -------------------------------------------------------------------------------
     def _apply(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse) -> None:
         results = list(response.results)
-        assert len(results) == len(plan.decodes) + len(plan.chunks)
+        siblings = plan.siblings
+        assert len(results) == len(plan.decodes) + len(plan.chunks) + len(siblings)
+        for seq, res in zip(siblings, results[len(results) - len(siblings):], strict=True):
+            self.metrics.forked_sequences.inc()
+            if seq.finished:
+                continue
+            seq.target_cached = res.cached_len
+            self.spec.observe_outcome(seq, 0, 0, res.tokens[-1])
+            self._emit(seq, list(res.tokens), _logprobs(res))
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
             k = len(drafts)
             seq.tracker.update(k, res.num_accepted)
@@ -160,7 +184,7 @@ class StepLoop:
             self.spec.observe_outcome(seq, k, res.num_accepted, res.tokens[-1])
             seq.target_cached = res.cached_len
             self._emit(seq, list(res.tokens), _logprobs(res))
-        for c, res in zip(plan.chunks, results[len(plan.decodes):], strict=True):
+        for c, res in zip(plan.chunks, results[len(plan.decodes):len(results) - len(siblings)], strict=True):
             if c.seq.finished:
                 continue
             c.seq.target_cached = res.cached_len
@@ -206,7 +230,7 @@ class StepLoop:
             self._suspects.remove(only)
             self._fail(only, FinishReason.ERROR, InternalError(f"the target failed this request: {err}"))
             return
-        seqs = [s for s, _ in plan.decodes] + [c.seq for c in plan.chunks]
+        seqs = plan.sequences
         log.warning("target failed a step (%s): retrying its %d sequences one at a time", err, len(seqs))
         self._suspects.extend(s for s in seqs if s not in self._suspects)
 
@@ -219,7 +243,7 @@ class StepLoop:
             self.metrics.preemptions.inc()
             self._pending_release.append(victim.seq_id)
             return
-        seqs = [s for s, _ in plan.decodes] + [c.seq for c in plan.chunks]
+        seqs = plan.sequences
         marker = "entries["
         if marker in err.details:
             idx = int(err.details.split(marker, 1)[1].split("]", 1)[0])

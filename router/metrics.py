@@ -69,6 +69,15 @@ class Metrics:
                                       ["replica", "service"], registry=r)
         self.replica_assigned = Counter("tandem:replica_sequences", "Sequences assigned to a target replica",
                                         ["replica"], registry=r)
+        self.prompt_tokens_computed = Counter("tandem:target_prompt_tokens_computed", "Prompt (and recompute) "
+                                              "tokens the target computed in prefill chunks: a request's n choices "
+                                              "share one prompt computation", registry=r)
+        self.forked_sequences = Counter("tandem:forked_sequences", "Choices 1..n-1 started as forks of their "
+                                        "first choice's prompt cache instead of prefilling", registry=r)
+        self.structured_requests = Counter("tandem:structured_output_requests", "Requests with an output "
+                                           "constraint", ["kind"], registry=r)
+        self.grammar_mask_bytes = Counter("tandem:grammar_mask_bytes", "Bytes of grammar token masks sent to "
+                                          "the target", registry=r)
         self.migrations = Counter("tandem:replica_migrations", "Sequences moved off a lost replica (recomputed "
                                   "elsewhere)", registry=r)
 

@@ -15,9 +15,20 @@ def _finish(delta: Delta) -> str | None:
     return "stop" if delta.finish_reason in (FinishReason.STOP, FinishReason.ABORT) else delta.finish_reason.value
 
 
-def _usage(last: Delta) -> dict:
-    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "total_tokens": last.prompt_tokens + last.completion_tokens}
+def _usage(deltas: list[Delta]) -> dict:
+    """The prompt once, the completion tokens of every choice."""
+    last = {d.index: d for d in deltas}
+    prompt = deltas[-1].prompt_tokens
+    completion = sum(d.completion_tokens for d in last.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def by_choice(deltas: list[Delta]) -> list[list[Delta]]:
+    """A request's deltas split by choice index (n > 1 interleaves them)."""
+    choices: dict[int, list[Delta]] = {}
+    for d in deltas:
+        choices.setdefault(d.index, []).append(d)
+    return [choices[i] for i in sorted(choices)]
 
 
 def _top_by_text(top: list[tuple[int, float]], dec) -> dict[str, float]:  # noqa: ANN001
@@ -39,8 +50,8 @@ class CompletionFormat:
         self.token_ids = token_ids
         self.metrics = metrics  # usage.tandem_metrics, read when the usage is written
 
-    def _usage(self, last: Delta) -> dict:
-        usage = _usage(last)
+    def _usage(self, deltas: list[Delta]) -> dict:
+        usage = _usage(deltas)
         if self.metrics is not None:
             usage["tandem_metrics"] = self.metrics()
         return usage
@@ -64,17 +75,18 @@ class CompletionFormat:
 
     def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
         text = "".join(d.text for d in deltas)
-        return {"index": 0, "text": text, "logprobs": self._logprobs(deltas), "finish_reason": _finish(deltas[-1])}
+        return {"index": deltas[-1].index, "text": text, "logprobs": self._logprobs(deltas),
+                "finish_reason": _finish(deltas[-1])}
 
     def chunk(self, d: Delta) -> dict:
         return self._base([self._with_ids(self._choice([d], True), [d])], self.chunk_name)
 
-    def usage_chunk(self, last: Delta) -> dict:
-        return {**self._base([], self.chunk_name), "usage": self._usage(last)}
+    def usage_chunk(self, deltas: list[Delta]) -> dict:
+        return {**self._base([], self.chunk_name), "usage": self._usage(deltas)}
 
     def whole(self, deltas: list[Delta]) -> dict:
-        return {**self._base([self._with_ids(self._choice(deltas, False), deltas)], self.object_name),
-                "usage": self._usage(deltas[-1])}
+        choices = [self._with_ids(self._choice(ds, False), ds) for ds in by_choice(deltas)]
+        return {**self._base(choices, self.object_name), "usage": self._usage(deltas)}
 
 
 class ChatFormat(CompletionFormat):
@@ -91,5 +103,5 @@ class ChatFormat(CompletionFormat):
 
     def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
         message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-        return {"index": 0, "delta" if streamed else "message": message, "logprobs": self._logprobs(deltas),
-                "finish_reason": _finish(deltas[-1])}
+        return {"index": deltas[-1].index, "delta" if streamed else "message": message,
+                "logprobs": self._logprobs(deltas), "finish_reason": _finish(deltas[-1])}

@@ -1,6 +1,12 @@
 """OpenAI-compatible request bodies (completions and chat), checked and turned into Requests.
 Extensions beyond OpenAI's fields: top_k, ignore_eos, max_speculative_tokens, typical_acceptance,
-return_token_ids, tandem_metrics. Sampling fields left out take the served model's defaults (generation_config.json)."""
+return_token_ids, tandem_metrics, and vLLM's repetition_penalty, min_tokens, stop_token_ids, structured_outputs (json,
+regex, choice, grammar, json_object) with its older guided_json/guided_regex/guided_choice/guided_grammar.
+Sampling fields left out take the served model's defaults (generation_config.json).
+
+A field Tandem does not know or does not support is a 400 naming it, never ignored: a client asking
+for tools or audio must not get plain text with a 200. A few are accepted because they change nothing
+about the output (HARMLESS)."""
 
 from __future__ import annotations
 
@@ -11,13 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from common.protocol import MAX_LOGPROBS
 from common.sampling import SamplingParams
 from router.core import Request, RequestError
+from router.structured import Constraint
 
 MAX_STOP_STRINGS = 8
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
+# fields that only label or route a request elsewhere (OpenAI's own bookkeeping): accepted, no effect
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -34,26 +45,61 @@ class _Common(BaseModel):
     typical_acceptance: StrictBool = False
     return_token_ids: StrictBool = False  # extension: each choice also carries the generated token ids
     tandem_metrics: StrictBool = False  # extension: usage.tandem_metrics, this request's figures (request_stats)
-    user: StrictStr | None = None
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+    repetition_penalty: StrictFloat | StrictInt | None = None
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias
+    min_tokens: StrictInt | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: StrictStr | dict | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+
+    @classmethod
+    def unsupported(cls, body: dict) -> list[str]:
+        """Top-level fields this body type does not take (a 400 names them)."""
+        return sorted(set(body) - set(cls.model_fields) - HARMLESS)
 
     def _request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams, logprobs: int | None,
                  max_tokens: int | None) -> Request:
-        if self.n != 1:
-            raise RequestError("n", "only n = 1 is supported")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise RequestError("stop", f"at most {MAX_STOP_STRINGS} strings")
         sampling = defaults.updated(temperature=None if self.temperature is None else float(self.temperature),
                                     top_p=None if self.top_p is None else float(self.top_p), top_k=self.top_k,
-                                    seed=self.seed, typical_acceptance=self.typical_acceptance or None)
+                                    seed=self.seed, typical_acceptance=self.typical_acceptance or None,
+                                    presence_penalty=_float(self.presence_penalty),
+                                    frequency_penalty=_float(self.frequency_penalty),
+                                    repetition_penalty=_float(self.repetition_penalty), logit_bias=self._bias(),
+                                    min_tokens=self.min_tokens,
+                                    stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None)
+        constraint = Constraint.from_openai(self.response_format, self.structured_outputs, {
+            "guided_json": self.guided_json, "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar})
         return Request(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                        stop=tuple(stop), logprobs=logprobs, max_speculative_tokens=self.max_speculative_tokens,
-                       ignore_eos=self.ignore_eos, tandem_metrics=self.tandem_metrics)
+                       ignore_eos=self.ignore_eos, tandem_metrics=self.tandem_metrics, n=self.n,
+                       constraint=constraint)
+
+    def _bias(self) -> tuple[tuple[int, float], ...] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items()))
+        except ValueError:
+            raise RequestError("logit_bias", "keys must be token ids (integers as strings)") from None
 
     @property
     def include_usage(self) -> bool:
         """Streams end with a usage chunk: asked for, or where the asked-for tandem_metrics go."""
         return bool(self.stream_options and self.stream_options.get("include_usage")) or self.tandem_metrics
+
+
+def _float(value: float | int | None) -> float | None:
+    return None if value is None else float(value)
 
 
 class CompletionBody(_Common):
@@ -82,9 +128,10 @@ class CompletionBody(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # tool_calls, audio, ...: a 400 naming them, not silently dropped
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict] | None = None
+    name: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -22,11 +22,14 @@ _FLUSH_CONTEXT = 6  # tokens of left context to decode a held-back tail at the e
 
 
 class OutputBuilder:
-    def __init__(self, tokenizer: Tokenizer, request: Request, eos_ids: set[int], max_tokens: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, request: Request, eos_ids: set[int], max_tokens: int,
+                 index: int = 0) -> None:
         self.tokenizer = tokenizer
         self.request = request
         self.max_tokens = max_tokens
-        self.eos_ids = set() if request.ignore_eos else eos_ids
+        self.index = index
+        # stop_token_ids end generation like EOS (and are not part of the output), ignore_eos or not
+        self.eos_ids = (set() if request.ignore_eos else eos_ids) | set(request.sampling.stop_token_ids)
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self._stream = DecodeStream(skip_special_tokens=True)
@@ -37,8 +40,10 @@ class OutputBuilder:
         self._cut = False  # a stop string matched: the text ends at it
         self.chars_scanned = 0  # stop-string search work, for the linearity test
 
-    def add(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> tuple[list[int], Delta | None]:
-        """Take newly emitted tokens; return (tokens kept in the history, delta to send or None)."""
+    def add(self, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+            last: bool = False) -> tuple[list[int], Delta | None]:
+        """Take newly emitted tokens; return (tokens kept in the history, delta to send or None).
+        last: nothing may follow them (a complete grammar): the output ends here, "stop"."""
         assert self.finish_reason is None
         kept: list[int] = []
         out: list[str] = []
@@ -58,6 +63,8 @@ class OutputBuilder:
             if len(self.output_ids) >= self.max_tokens:
                 self.finish_reason = FinishReason.LENGTH
                 break
+        if last and self.finish_reason is None:
+            self.finish_reason = FinishReason.STOP
         if self.finish_reason is None and not kept:
             return kept, None
         if self.finish_reason is not None and not self._cut:
@@ -100,9 +107,11 @@ class OutputBuilder:
             return None
         self._sent_tokens = len(self.output_ids)
         return Delta(token_ids=new_tokens, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
-                     completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids))
+                     completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
+                     index=self.index)
 
     def abort(self, reason: FinishReason, error: Exception | None = None) -> Delta:
         self.finish_reason = reason
         return Delta(token_ids=[], text="", finish_reason=reason, error=error,
-                     completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids))
+                     completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
+                     index=self.index)

@@ -43,6 +43,12 @@ class StepPlan:
     decodes: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, k)
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    siblings: list[Sequence] = field(default_factory=list)  # n > 1: forked from a prompt the step finishes (loop.py)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """In the order of the Step's entries."""
+        return [s for s, _ in self.decodes] + [c.seq for c in self.chunks] + self.siblings
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +129,7 @@ class Scheduler:
         self._admit()
         budget = self.budget
         running = self.running if only is None else [s for s in self.running if s is only]
-        prefilling = [s for s in running if s.prefilling]
+        prefilling = [s for s in running if s.prefilling and not s.waits_for_fork]  # siblings fork (loop.py)
         if prefilling and not self.config.chunked_prefill:
             # prefill-first: whole prompts, no decodes, as many as the budget allows (at least one)
             for seq in prefilling:

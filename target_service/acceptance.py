@@ -15,8 +15,11 @@ The emitted tokens are the accepted prefix plus that one recovered or bonus toke
                           p_i(d_i) > min(eps, delta * exp(-H(p_i))); recovered = argmax p_i.
                           Accepts more, but changes the distribution: an explicit, lossy opt-in.
 
-p is the target distribution after temperature/top-k/top-p (engine.sampling.filtered_probs);
-q is the draft's sparse distribution, exactly what it sampled from (zero outside its ids).
+p is the target distribution after the logits processors (engine.logits: grammar mask, logit_bias,
+min_tokens, penalties) and temperature/top-k/top-p (engine.sampling.filtered_probs); q is the draft's
+sparse distribution, exactly what it sampled from (zero outside its ids), which the draft computed
+with the same processors. So with a grammar p' = norm(p * mask), q' = norm(q * mask), and the emitted
+tokens follow p' exactly: masking is just another processor.
 
 Randomness: every draw is its own uniform, draw_uniform(seed, position, stream), where position
 is the absolute position of the token being decided and the stream (STREAM_* below) says which
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits import Context
+from engine.logits import apply as processed
 from engine.sampling import SamplingSpec, filtered_probs, sample, uniforms
 from engine.transfer import to_lists
 
@@ -75,6 +80,7 @@ class Verification:
     rule: Rule = Rule.STRICT
     typical_epsilon: float = DEFAULT_TYPICAL_EPSILON
     typical_delta: float = DEFAULT_TYPICAL_DELTA
+    context: Context | None = None  # logits processors and grammar masks of its k + 1 rows
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,8 @@ def accept(logits: Sequence[torch.Tensor], batch: Sequence[Verification]) -> lis
     """Judge every verification of a step. logits[n] is [k_n + 1, vocab]: raw logits of the
     positions deciding d_1 .. d_k and the bonus."""
     assert len(logits) == len(batch)
+    logits = [processed(rows, v.context) if v.context is not None else rows for rows, v in zip(logits, batch,
+                                                                                                strict=True)]
     outcomes: list[Outcome | None] = [None] * len(batch)
     greedy = [n for n, v in enumerate(batch) if v.spec.greedy]
     if greedy:

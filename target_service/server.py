@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
 
 from common.protocol import MAX_LOGPROBS
+from common.sampling import InvalidField
 from common.tracing import Tracing
-from engine.runner import InvalidInput, ModelRunner, SeqInput
+from engine.logits import Context, Processors, TokenHistory
+from engine.runner import CacheMiss, InvalidInput, ModelRunner, SeqInput
 from engine.sampling import logprobs_of
 from engine.service import ModelWorker, call_deadline, rpc_errors, sampling_spec, still_wanted
 from engine.transfer import to_lists
@@ -41,6 +44,18 @@ class _Entry:
     k: int
     verification: Verification | None  # None when emit is false
     logprobs: int  # -1: none
+    processors: Processors | None = None
+    masks: tuple[bytes, ...] = ()
+    fork_of: int = 0
+
+    @property
+    def sibling(self) -> bool:
+        """n choices: a fork sampled from its parent's last logits in this step (no tokens of its own)."""
+        return not self.seq.tokens
+
+    @property
+    def needs_history(self) -> bool:
+        return self.processors is not None and self.processors.penalized
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -51,6 +66,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.fail_on_token = fail_on_token  # fault injection for tests: a Step starting a sequence with it fails
         self.runner: ModelRunner = worker.runner
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
+        self.history = TokenHistory()  # token ids of sequences with penalties (engine/logits.py)
+        worker.on_release.append(self.history.release)
 
     # ---- RPCs -----------------------------------------------------------------------------
     @rpc_errors
@@ -85,9 +102,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         still_wanted(deadline)
         t0 = time.perf_counter()
         runner = self.runner
-        logits = runner.forward([e.seq for e in entries])  # validates capacity and cache state first
+        siblings = self._check_siblings(entries)
+        self._mirror(entries)
+        computed = [n for n, e in enumerate(entries) if not e.sibling]
+        out = runner.forward([entries[n].seq for n in computed])  # validates capacity and cache state first
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(entries)
+        for n, rows in zip(computed, out, strict=True):
+            logits[n] = rows
+        for n, parent in siblings.items():  # the parent's prompt is cached now: fork it, share its last logits
+            e = entries[n]
+            runner.release([e.seq.seq_id])
+            runner.fork(e.fork_of, e.seq.seq_id, e.seq.start_pos)
+            self.history.fork(e.fork_of, e.seq.seq_id, e.seq.start_pos)
+            logits[n] = logits[parent][-1:]
         emitting = [n for n, e in enumerate(entries) if e.emit]
-        outcomes = accept([logits[n] for n in emitting], [entries[n].verification for n in emitting])
+        outcomes = accept([logits[n] for n in emitting], [self._judged(entries[n]) for n in emitting])
         results = [target_pb2.EntryResult(seq_id=e.seq.seq_id) for e in entries]
         for n, out in zip(emitting, outcomes, strict=True):
             e = entries[n]
@@ -99,6 +128,45 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             r.cached_len = runner.cached_len(e.seq.seq_id)
         return target_pb2.StepResponse(results=results, forward_ms=(time.perf_counter() - t0) * 1e3,
                                        free_blocks=runner.blocks.num_free)
+
+    def _check_siblings(self, entries: list[_Entry]) -> dict[int, int]:
+        """Sibling entry -> its parent's entry, all checked (capacity of the forks included) before anything changes."""
+        if not any(e.sibling for e in entries):
+            return {}
+        index = {e.seq.seq_id: n for n, e in enumerate(entries) if not e.sibling}
+        siblings: dict[int, int] = {}
+        for n, e in enumerate(entries):
+            if not e.sibling:
+                continue
+            parent = index.get(e.fork_of)
+            if parent is None or not entries[parent].emit or entries[parent].k or \
+                    entries[parent].seq.start_pos + len(entries[parent].seq.tokens) != e.seq.start_pos:
+                raise InvalidInput(f"entries[{n}].fork_of", f"sequence {e.fork_of} must be in this step, emitting its "
+                                                            f"first token after position {e.seq.start_pos}")
+            siblings[n] = parent
+        resize = {e.seq.seq_id: (e.seq.start_pos, e.seq.start_pos + len(e.seq.tokens))
+                  for e in entries if not e.sibling}
+        partial = sum(1 for n in siblings if entries[n].seq.start_pos % self.runner.blocks.block_size)
+        self.runner.blocks.check_capacity(resize, extra=partial)
+        return siblings
+
+    def _mirror(self, entries: list[_Entry]) -> None:
+        """Keep the token history of sequences with penalties (a gap means the service lost it: recompute)."""
+        missing = [e.seq.seq_id for e in entries if e.needs_history and not e.sibling
+                   and not self.history.covers(e.seq.seq_id, e.seq.start_pos)]
+        if missing:
+            raise CacheMiss(missing)
+        for e in entries:
+            if e.needs_history and not e.sibling:
+                self.history.put(e.seq.seq_id, e.seq.start_pos, e.seq.tokens)
+
+    def _judged(self, e: _Entry) -> Verification:
+        v = e.verification
+        assert v is not None
+        if e.processors is None and not e.masks:
+            return v
+        history = self.history.get(e.seq.seq_id, v.position) if e.needs_history else ()
+        return replace(v, context=Context(e.processors, history, v.draft, e.masks, v.position))
 
     def _add_logprobs(self, entries: list[_Entry], logits: list[torch.Tensor], emitting: list[int],
                       emitted: list[list[int]], results: list[target_pb2.EntryResult]) -> None:
@@ -132,14 +200,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         where = f"entries[{n}]"
         tokens = list(e.tokens)
         k = e.num_draft_tokens
-        if not tokens:
-            raise InvalidInput(f"{where}.tokens", "must not be empty")
+        if not tokens and not (e.fork_of and e.emit and not k):
+            raise InvalidInput(f"{where}.tokens", "must not be empty (but in fork_of's sibling form)")
         field_k = f"{where}.num_draft_tokens"
         if not e.emit and k:
             raise InvalidInput(field_k, f"{k} draft tokens with emit = false: nothing would judge them")
         if k > self.worker.max_draft_tokens:
             raise InvalidInput(field_k, f"{k} exceeds max_draft_tokens {self.worker.max_draft_tokens}")
-        if k >= len(tokens):
+        if k >= len(tokens) and tokens:
             raise InvalidInput(field_k, f"{k} draft tokens need {k + 1} tokens (the last emitted one first), "
                                         f"got {len(tokens)}")
         max_len = self.runner.max_model_len
@@ -149,8 +217,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not -1 <= e.logprobs <= MAX_LOGPROBS:
             raise InvalidInput(f"{where}.logprobs", f"must be -1 (none) or in [0, {MAX_LOGPROBS}], got {e.logprobs}")
         seq = SeqInput(e.seq_id, e.start_pos, tokens, num_logits=k + 1 if e.emit else 0)
+        processors = self._processors(e, where)
+        if e.token_masks and (not e.emit or len(e.token_masks) != k + 1):
+            raise InvalidInput(f"{where}.token_masks", f"{len(e.token_masks)} masks: an emitting entry needs one per "
+                                                       f"decided position ({k + 1})")
+        try:
+            masks = tuple(zlib.decompress(m) for m in e.token_masks)
+        except zlib.error as err:
+            raise InvalidInput(f"{where}.token_masks", f"not a zlib-compressed bitmask: {err}") from None
+        if any(not m.strip(b"\0") for m in masks):
+            raise InvalidInput(f"{where}.token_masks", "a mask allows no token at all")
         if not e.emit:
-            return _Entry(seq, False, 0, None, -1)
+            return _Entry(seq, False, 0, None, -1, processors, fork_of=e.fork_of)
         spec = sampling_spec(e.sampling, f"{where}.sampling")
         rule = self._rule(e.sampling, f"{where}.sampling")
         draft = tokens[len(tokens) - k:]
@@ -161,7 +239,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         eps, delta = self._typical_params(e.sampling, f"{where}.sampling")
         verification = Verification(draft=draft, spec=spec, position=e.start_pos + len(tokens) - k,
                                     draft_dists=dists, rule=rule, typical_epsilon=eps, typical_delta=delta)
-        return _Entry(seq, True, k, verification, e.logprobs)
+        return _Entry(seq, True, k, verification, e.logprobs, processors, masks, e.fork_of)
+
+    def _processors(self, e: target_pb2.StepEntry, where: str) -> Processors | None:
+        try:
+            p = Processors.from_proto(e.sampling, e.prompt_len)
+        except InvalidField as err:
+            raise InvalidInput(f"{where}.sampling.{err.field}", str(err).split(": ", 1)[-1]) from None
+        vocab = self.runner.model_config.vocab_size
+        if p is not None and any(not 0 <= t < vocab for t in [t for t, _ in p.bias] + list(p.held_back)):
+            raise InvalidInput(f"{where}.sampling", f"logit_bias and stop_token_ids ids must be in [0, {vocab})")
+        return p
 
     @staticmethod
     def _rule(params: common_pb2.SamplingParams, field: str) -> Rule:

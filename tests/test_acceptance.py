@@ -4,9 +4,11 @@ acceptance accepts more and is measurably lossy, and seeded draws reproduce."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from engine.logits import Context
 from engine.sampling import SamplingSpec, filtered_probs
 from target_service import acceptance
 from target_service.acceptance import Rule, SparseDist, Verification, accept, greedy_accept
@@ -171,3 +173,66 @@ def test_typical_thresholds():
     assert ok.num_accepted == 1  # 0.125 > 0.0375
     strict_eps = acceptance.typical_accept(flat, [2], seed=1, position=POS, epsilon=0.2, delta=10.0)
     assert strict_eps.num_accepted == 0  # threshold min(0.2, 10/8) = 0.2 > 0.125
+
+
+# ---- structured output: masks are one more processor, and rejection sampling stays exact ------------
+def pack(allowed: list[int]) -> bytes:
+    bits = torch.zeros(V, dtype=torch.bool)
+    bits[allowed] = True
+    return np.packbits(bits.numpy(), bitorder="little").tobytes()
+
+
+def masked(p: torch.Tensor, allowed: list[int]) -> torch.Tensor:
+    out = torch.zeros_like(p)
+    out[allowed] = p[allowed]
+    return out / out.sum()
+
+
+MASK0 = [0, 2, 3, 5, 7]  # a grammar forbids 1, 4, 6 at the first position (7 has no target mass)
+MASK1 = [1, 3, 4, 6]
+
+
+def run_masked(qs: list[dict[int, float]], masks: list[list[int]], n: int = N, seed0: int = 0,
+               temperature: float = 1.0) -> list[acceptance.Outcome]:
+    """Like run(), with grammar masks on the target's rows; the draft samples from q' = norm(q * mask)
+    and ships q', as the draft service does."""
+    qs_masked = [{t: v for t, v in q.items() if t in m} for q, m in zip(qs, masks, strict=False)]
+    qs_masked = [{t: v / sum(q.values()) for t, v in q.items()} for q in qs_masked]
+    logits = torch.stack([as_logits(p) for p in (P0, P1, P2)][:len(qs) + 1])
+    g = torch.Generator().manual_seed(99 + seed0)
+    drafts = torch.stack([torch.multinomial(dense(q), n, replacement=True, generator=g) for q in qs_masked],
+                         1).tolist()
+    ctx = Context(None, masks=[pack(m) for m in masks])
+    batch = [Verification(d, SamplingSpec(temperature=temperature, seed=seed0 + t), POS, [dist(q) for q in qs_masked],
+                          context=ctx) for t, d in enumerate(drafts)]
+    return accept([logits] * n, batch)
+
+
+@pytest.mark.parametrize("q0,q1", [(Q_FAR, Q_SPARSE), (Q_SPARSE, Q_FAR)], ids=["far", "sparse"])
+def test_masked_rejection_sampling_emits_the_masked_target_distribution(q0, q1):
+    """p' = norm(p * mask) at every position; drafts from q' = norm(q * mask): the emitted tokens
+    follow p' (chi-square), and no forbidden token is ever emitted."""
+    outs = run_masked([q0, q1], [MASK0, MASK1, list(range(V))])
+    first = counts([o.tokens[0] for o in outs])
+    stat, crit = chi_square(first, masked(P0, MASK0))
+    assert stat < crit, f"first token: chi2 {stat:.1f} >= {crit} ({first.tolist()})"
+    second = counts([o.tokens[1] for o in outs if len(o.tokens) >= 2])
+    assert second.sum() > 300
+    stat, crit = chi_square(second, masked(P1, MASK1))
+    assert stat < crit, f"second token: chi2 {stat:.1f} >= {crit} ({second.tolist()})"
+
+
+def test_masking_only_the_draft_is_not_enough():
+    """Power check: the same drafts judged against an unmasked target emit forbidden tokens and
+    fail the masked chi-square: the mask must reach the target's p."""
+    outs = run_masked([Q_FAR], [MASK0, list(range(V))])
+    unmasked_target = run([P0, P1], [{t: v for t, v in Q_FAR.items() if t in MASK0}])
+    assert all(o.tokens[0] in MASK0 for o in outs)
+    assert any(o.tokens[0] not in MASK0 for o in unmasked_target)
+
+
+def test_greedy_with_a_mask_takes_the_best_allowed_token():
+    logits = torch.stack([as_logits(P0), as_logits(P1)])
+    ctx = Context(None, masks=[pack([2, 5]), pack([1, 2])])
+    [out] = accept([logits], [Verification([2], SamplingSpec(temperature=0.0), POS, context=ctx)])
+    assert out.tokens == [2, 2] and out.num_accepted == 1  # 0 is P0's argmax and 3 is P1's: both forbidden

@@ -255,3 +255,25 @@ def test_seeded_sampling_reproducible(client, model):
     assert run() == run()
 
 
+
+
+def test_structured_output_and_n_with_the_official_client(client, model):
+    """response_format json_schema and n through the openai client: every choice parses and validates;
+    tools, which Tandem does not implement, are a 400 naming them rather than free text."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "ok": {"type": "boolean"}},
+              "required": ["name", "ok"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "a record"}], max_tokens=80, temperature=0.7, seed=5, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": schema}})
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    for choice in out.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        assert choice.finish_reason == "stop"
+    with pytest.raises(BadRequestError, match="tools"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])

@@ -1,0 +1,146 @@
+"""Logits processors, applied identically on the target (to p) and the draft (to q) before temperature,
+top-k and top-p, so that strict rejection sampling stays exact for the processed distribution p'.
+
+Order (vLLM's): the grammar mask, logit_bias, min_tokens, then the repetition, frequency and presence
+penalties. The rows of one sequence decide consecutive positions: row i sees the history plus the
+tokens the earlier rows decided (the drafts before it), so the penalties of a verification position
+count the drafts in front of it, exactly as if they had been generated one at a time.
+
+    repetition (HF RepetitionPenaltyLogitsProcessor)  seen in prompt or output: x / r if x > 0 else x * r
+    frequency, presence (OpenAI)                      x -= frequency * count + presence * [count > 0],
+                                                      counting output tokens only
+    min_tokens                                        held-back ids (EOS, stop_token_ids) get -inf while
+                                                      fewer than min_tokens tokens were generated
+A sequence without any of these costs nothing here: its logits are not touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.sampling import SamplingParams
+from tandem.v1 import common_pb2
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Processors:
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    held_back: tuple[int, ...] = ()  # the ids min_tokens keeps out
+    prompt_len: int = 0  # positions >= prompt_len are output
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+
+    @staticmethod
+    def from_proto(params: common_pb2.SamplingParams, prompt_len: int) -> Processors | None:
+        """None when the request uses no processor. Raises common.sampling.InvalidField on bad values."""
+        p = SamplingParams(temperature=0.0).updated(**SamplingParams.given_in(params))
+        p.check()
+        if not p.processed:
+            return None
+        return Processors(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens,
+                          p.stop_token_ids, prompt_len)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What one sequence's consecutive rows see: row i decides the token after history + extra[:i]."""
+
+    processors: Processors | None
+    history: Sequence[int] = ()  # tokens before the first row's position; needed by penalties only
+    extra: Sequence[int] = ()  # tokens decided by the earlier rows (the drafts)
+    masks: Sequence[bytes] = ()  # grammar: allowed tokens per row (packed bits, little-endian); empty: none
+    first_pos: int = 0  # absolute position of the first row's token (min_tokens counts from it)
+
+
+def unpack_masks(masks: Sequence[bytes], vocab: int) -> np.ndarray:
+    """[rows, vocab] bool from packed little-endian bitmasks (ids past a mask's end are not allowed)."""
+    width = -(-vocab // 8)
+    buf = np.zeros((len(masks), width), dtype=np.uint8)
+    for i, m in enumerate(masks):
+        n = min(len(m), width)
+        buf[i, :n] = np.frombuffer(m, dtype=np.uint8, count=n)
+    return np.unpackbits(buf, axis=1, bitorder="little")[:, :vocab].astype(bool)
+
+
+def apply(logits: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Processed copy of one sequence's rows [R, V] (the input is returned untouched when nothing applies)."""
+    p = ctx.processors
+    if p is None and not ctx.masks:
+        return logits
+    rows, vocab = logits.shape
+    dev = logits.device
+    out = logits.float().clone()
+    if ctx.masks:
+        assert len(ctx.masks) == rows, "one grammar mask per row"
+        allowed = torch.from_numpy(unpack_masks(ctx.masks, vocab)).to(dev)
+        out.masked_fill_(~allowed, NEG_INF)
+    if p is None:
+        return out
+    if p.bias:
+        ids = torch.tensor([t for t, _ in p.bias], device=dev)
+        out[:, ids] += torch.tensor([b for _, b in p.bias], device=dev)
+    if p.min_tokens and p.held_back:
+        generated = torch.arange(rows, device=dev) + (ctx.first_pos - p.prompt_len)
+        short = (generated < p.min_tokens).nonzero().squeeze(-1)
+        if short.numel():
+            held = torch.tensor(p.held_back, device=dev)
+            out[short[:, None], held[None, :]] = NEG_INF
+    if p.penalized:
+        out = _penalize(out, p, ctx)
+    return out
+
+
+def _penalize(out: torch.Tensor, p: Processors, ctx: Context) -> torch.Tensor:
+    rows, vocab = out.shape
+    dev = out.device
+    history = torch.tensor(list(ctx.history), dtype=torch.long, device=dev)
+    counts = torch.bincount(history[p.prompt_len:], minlength=vocab).float()[None].repeat(rows, 1)
+    seen = torch.bincount(history, minlength=vocab)[None].repeat(rows, 1) > 0
+    if rows > 1:  # row i also sees the tokens the rows before it decided
+        earlier = torch.tensor(list(ctx.extra[:rows - 1]), dtype=torch.long, device=dev)
+        cumulative = torch.nn.functional.one_hot(earlier, vocab).float().cumsum(0)
+        counts[1:] += cumulative
+        seen[1:] |= cumulative > 0
+    if p.repetition != 1.0:
+        out = torch.where(seen, torch.where(out > 0, out / p.repetition, out * p.repetition), out)
+    return out - p.frequency * counts - p.presence * (counts > 0).float()
+
+
+class TokenHistory:
+    """Token ids of each sequence's cached positions, kept beside its KV by the services whose requests
+    use penalties (which need the whole history, not just the step's tokens). Position-addressed like
+    the KV: an entry at start_pos trims everything past it, so rejected drafts never linger."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, list[int]] = {}
+
+    def covers(self, seq_id: int, start_pos: int) -> bool:
+        return len(self._tokens.get(seq_id, ())) >= start_pos
+
+    def put(self, seq_id: int, start_pos: int, tokens: Sequence[int]) -> None:
+        held = self._tokens.setdefault(seq_id, [])
+        assert len(held) >= start_pos, "covers() first"
+        del held[start_pos:]
+        held.extend(tokens)
+
+    def get(self, seq_id: int, end: int) -> list[int]:
+        return self._tokens.get(seq_id, [])[:end]
+
+    def fork(self, parent: int, child: int, length: int) -> None:
+        self._tokens[child] = self._tokens.get(parent, [])[:length]
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self._tokens.pop(seq_id, None)

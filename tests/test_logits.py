@@ -1,0 +1,91 @@
+"""Logits processors without a model: each equals transformers' own processor (or OpenAI's formula),
+and the k + 1 rows of a verification see exactly what one-at-a-time generation would have seen."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+from common.sampling import SamplingParams
+from engine.logits import Context, Processors, TokenHistory, apply, unpack_masks
+
+V = 50
+PROMPT = [3, 7, 7, 9]
+OUTPUT = [11, 7, 11, 11, 20]
+
+
+def logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_repetition_equals_transformers():
+    x = logits()
+    p = Processors(repetition=1.3, prompt_len=len(PROMPT))
+    want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([PROMPT + OUTPUT]), x.clone())
+    torch.testing.assert_close(apply(x, Context(p, PROMPT + OUTPUT, first_pos=9)), want)
+
+
+def test_presence_and_frequency_count_output_tokens_only():
+    x = logits()
+    p = Processors(presence=0.5, frequency=0.25, prompt_len=len(PROMPT))
+    got = apply(x, Context(p, PROMPT + OUTPUT, first_pos=9))
+    want = x.clone()
+    for t, n in {11: 3, 7: 1, 20: 1}.items():  # 7 and 3 in the prompt do not count
+        want[0, t] -= 0.25 * n + 0.5
+    torch.testing.assert_close(got, want)
+
+
+def test_logit_bias_adds_and_min_tokens_holds_back_eos_and_stop_ids():
+    x = logits(rows=3)
+    p = Processors(bias=((4, 100.0), (5, -100.0)), min_tokens=2, held_back=(1, 2), prompt_len=4)
+    # rows decide output tokens 1, 2 and 3 (first_pos = prompt 4 + 1 already generated)
+    got = apply(x, Context(p, PROMPT + [10], extra=[4, 4], first_pos=5))
+    assert got[0, 4] == x[0, 4] + 100 and got[0, 5] == x[0, 5] - 100
+    assert got[0, 1] == float("-inf") and got[0, 2] == float("-inf")  # 1 generated < 2
+    assert got[1, 1] == x[1, 1] and got[2, 2] == x[2, 2]  # 2 and 3 generated: free
+    hf = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=4, min_new_tokens=2, eos_token_id=[1, 2])
+    torch.testing.assert_close(hf(torch.tensor([PROMPT + [10]]), x[:1].clone())[0, :3], got[0, :3])
+
+
+def test_rows_of_a_verification_see_the_drafts_before_them():
+    """Row i of [history | d_1 .. d_k] equals one row computed after appending d_1 .. d_i."""
+    x = logits(rows=4, seed=1)
+    p = Processors(presence=0.7, frequency=0.3, repetition=1.2, prompt_len=len(PROMPT))
+    drafts = [11, 30, 30]
+    rows = apply(x, Context(p, PROMPT + OUTPUT, extra=drafts, first_pos=9))
+    for i in range(4):
+        one = apply(x[i:i + 1], Context(p, PROMPT + OUTPUT + drafts[:i], first_pos=9 + i))
+        torch.testing.assert_close(rows[i:i + 1], one)
+
+
+def test_masks_forbid_exactly_the_cleared_bits():
+    allowed = [0, 9, 17, 49]
+    bits = np.zeros(V, dtype=bool)
+    bits[allowed] = True
+    packed = np.packbits(bits, bitorder="little").tobytes()
+    assert unpack_masks([packed], V)[0].nonzero()[0].tolist() == allowed
+    assert not unpack_masks([packed[:1]], V)[0, 9:].any()  # a short mask allows nothing past its end
+    got = apply(logits(), Context(None, masks=[packed]))
+    assert torch.isfinite(got[0]).nonzero().squeeze(-1).tolist() == allowed
+
+
+def test_untouched_without_processors_and_from_proto():
+    x = logits()
+    assert apply(x, Context(None)) is x
+    assert Processors.from_proto(SamplingParams(temperature=0.0).to_proto(), 4) is None
+    wire = SamplingParams(temperature=0.0, repetition_penalty=1.25, logit_bias=((3, 2.0),), min_tokens=2,
+                          stop_token_ids=(9,)).to_proto(held_back=(1,))
+    assert Processors.from_proto(wire, 4) == Processors(repetition=1.25, bias=((3, 2.0),), min_tokens=2,
+                                                        held_back=(1, 9), prompt_len=4)
+
+
+def test_token_history_is_position_addressed():
+    h = TokenHistory()
+    h.put(1, 0, [5, 6, 7, 8])
+    h.put(1, 2, [9])  # a rejection: positions >= 2 replaced
+    assert h.get(1, 10) == [5, 6, 9] and h.covers(1, 3) and not h.covers(1, 4)
+    h.fork(1, 2, 2)
+    assert h.get(2, 10) == [5, 6]
+    h.release([1, 2])
+    assert not h.covers(1, 1)
