@@ -19,8 +19,8 @@ class Config:
 
 
 CONFIGS: tuple[Config, ...] = (
-    Config("1", "target only, prefill-first", False, ("--no-chunked-prefill",)),
-    Config("2", "target only + chunked prefill", False, ()),
+    Config("1", "target only, prefill-first", False, ("--no-chunked-prefill", "--no-prompt-lookup")),
+    Config("2", "target only + chunked prefill", False, ("--no-prompt-lookup",)),
     Config("3", "spec, no chunking, draft then target", True,
            ("--no-chunked-prefill", "--no-pipeline", "--no-dynamic-k")),
     Config("4", "spec + chunked, draft then target", True, ("--no-pipeline", "--no-dynamic-k")),

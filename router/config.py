@@ -23,6 +23,7 @@ class RouterConfig:
     dynamic_k: bool = True  # choose k per sequence from acceptance and load; else always k_max
     pipeline: bool = True  # draft proposes step t+1 while the target scores step t
     chunked_prefill: bool = True  # slice prompts into the budget; else whole prompts first
+    prompt_lookup: bool = True  # where the draft has no proposal (or there is no draft), guess from the history
     target_timeout_s: float = 60.0  # deadline of one Step
     draft_timeout_s: float = 5.0  # deadline of one Sync / Propose; past it the step goes on with k = 0
     target_grace_s: float = 30.0  # how long requests wait for a lost target before failing with 503

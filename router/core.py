@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from common.sampling import InvalidField, SamplingParams
+from router.lookup import PromptLookup
 from router.request_stats import RequestStats
 from router.spec_policy import AcceptanceTracker
 from router.speculation import Prepared
@@ -122,6 +123,7 @@ class Sequence:
     cache_epoch: int = 0  # bumped whenever the caches are dropped: late draft results for an old epoch are void
     outcome_start: int = -1  # history length before the last verification: its branches start there
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    lookup: PromptLookup = field(default_factory=PromptLookup)  # n-grams of the history (prompt lookup)
     next_k: int = 0  # desired k for this sequence's next proposal
     num_preemptions: int = 0
     stats: RequestStats = field(default_factory=RequestStats)  # its timeline and speculation figures

@@ -203,6 +203,8 @@ class StepLoop:
         self._busy.inc(response.forward_ms / 1000)
         self._parts["draft"].observe(draft_ms / 1000)
         self._parts["router"].observe(max(0.0, total_ms - response.forward_ms - draft_ms) / 1000)
+        if self.spec.from_lookup:
+            self.metrics.lookup_proposals.inc(len(self.spec.from_lookup))
         if self.draft.up:
             for seq, _ in plan.decodes:
                 outcome = self.spec.pipeline_outcome(seq)

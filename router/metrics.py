@@ -50,6 +50,8 @@ class Metrics:
         self.pipeline_misses = Counter("tandem:pipeline_misses", "Decodes that wanted a proposal and had none: "
                                        "late = the draft had prepared nothing for this outcome yet, wrong = "
                                        "it had, and no prepared branch matched", ["reason"], registry=r)
+        self.lookup_proposals = Counter("tandem:lookup_proposals", "Verifications whose drafts came from prompt "
+                                        "lookup (the draft had none for them, or there is no draft)", registry=r)
         self.pipeline_lookups = Counter("tandem:pipeline_lookups", "Verifications whose next proposal was "
                                         "drafted during the step", registry=r)
         self.pipeline_hits = Counter("tandem:pipeline_hits", "...of which a prepared proposal continued the "

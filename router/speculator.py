@@ -30,17 +30,19 @@ class Speculator:
         self.branch_cost = BranchCost()
         self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
         self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
+        self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
+        self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         draft.on_cost = self._observe_draft
 
     # ---- k and proposals ------------------------------------------------------------------------
     def cap(self, seq: Sequence) -> int:
         """Largest k this sequence may use now (0: plain decoding)."""
-        if not self.draft.up or self.k_max == 0:
+        if self.k_max == 0 or not (self.draft.up or self.config.prompt_lookup):
             return 0
-        cap = min(self.k_max, self.draft.max_k)
+        cap = min(self.k_max, self.draft.max_k) if self.draft.up else self.k_max
         if seq.request.max_speculative_tokens is not None:
             cap = min(cap, seq.request.max_speculative_tokens)
-        limit = min(self.max_model_len, self.draft.info.max_model_len if self.draft.info else 0)
+        limit = min(self.max_model_len, self.draft.info.max_model_len) if self.draft.up else self.max_model_len
         if len(seq.tokens) + 2 * cap + 2 > limit:
             return 0
         return max(cap, 0)
@@ -53,6 +55,15 @@ class Speculator:
             plain = [p for p in seq.prepared if p.start == n and not p.prefix]
             return (list(plain[-1].drafts), list(plain[-1].probs)) if plain else ([], [])
         return best_proposal(seq.prepared, seq.tokens)
+
+    def lookup(self, seq: Sequence) -> Proposal:
+        """Where the draft has nothing for a sequence: what followed its suffix earlier in its history."""
+        if not self.config.prompt_lookup or seq.request.reproducible:
+            return [], []
+        drafts = seq.lookup.propose(seq.tokens, self.k_max)
+        if not drafts or seq.request.sampling.greedy:
+            return drafts, []
+        return drafts, [common_pb2.SparseDist(token_ids=[t], probs=[1.0]) for t in drafts]  # a point guess
 
     def choose_ks(self, decoders: list[Sequence], prefill_tokens: int) -> list[int]:
         """The scheduler's callback: k per decoder, its policy's wish capped by the proposal it has."""
@@ -68,8 +79,15 @@ class Speculator:
             seq.next_k = k
             prepared_for_it = any(p.start == seq.outcome_start for p in seq.prepared)
             drafts, _ = self.matched[seq.seq_id] = self.proposal(seq)
-            if not drafts and not prepared_for_it:
-                self.late.add(seq.seq_id)
+            if drafts:
+                self.from_draft.add(seq.seq_id)
+            else:
+                if not prepared_for_it:
+                    self.late.add(seq.seq_id)
+                if k > 0:
+                    drafts, _ = self.matched[seq.seq_id] = self.lookup(seq)
+                    if drafts:
+                        self.from_lookup.add(seq.seq_id)
             ks.append(min(k, len(drafts)))
         return ks
 
@@ -81,15 +99,17 @@ class Speculator:
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
         late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
-        if seq.next_k <= 0:
+        if seq.next_k <= 0 or not self.draft.up:
             return None
-        if self.matched.get(seq.seq_id, ([], []))[0]:
+        if seq.seq_id in self.from_draft:
             return "hit"
         return "late" if seq.seq_id in self.late else "wrong"
 
     def new_step(self) -> None:
         self.matched.clear()
         self.late.clear()
+        self.from_draft.clear()
+        self.from_lookup.clear()
 
     def observe_outcome(self, seq: Sequence, v: int, accepted: int, token: int) -> None:
         """Which prepared branch (if any) this verification's outcome matched: the rank statistics."""

@@ -1,0 +1,47 @@
+"""Prompt lookup: propose what followed the history's suffix earlier in the same history; and a
+router with no draft at all speculating from it, exactly."""
+
+from __future__ import annotations
+
+from router.config import RouterConfig
+from router.lookup import PromptLookup
+from tests.conftest import hf_greedy
+from tests.stack import complete, start_router, start_target
+from tests.test_router_integration import metric
+
+
+def test_the_longest_earlier_occurrence_of_the_suffix_is_continued():
+    h = [1, 2, 3, 4, 9, 9, 2, 3, 4, 7, 8, 5, 2, 3, 4]
+    # suffix (2, 3, 4) last occurred ending at 9, followed by 7 8 5 ...
+    assert PromptLookup().propose(h, 3) == [7, 8, 5]
+    assert PromptLookup(n_min=2, n_max=2).propose(h, 2) == [7, 8], "the latest occurrence of the 2-gram"
+    assert PromptLookup().propose([1, 2, 3, 4, 5], 3) == [], "nothing repeats: no guess"
+    assert PromptLookup().propose([6, 6, 6, 6], 3) == [6], "a run proposes its own continuation"
+
+
+def test_the_index_grows_with_the_history():
+    lookup, h = PromptLookup(), [5, 6, 7]
+    assert lookup.propose(h, 2) == []
+    for t in [8, 5, 6]:
+        h.append(t)
+    assert lookup.propose(h, 2) == [7, 8], "n-grams added since the last call are found"
+
+
+def test_a_router_without_a_draft_speculates_from_the_history(model_pair):
+    """No draft service: repetitive prompts still get drafts, verified by the target, and the output
+    is still exactly the target's greedy one."""
+    target_dir, _ = model_pair
+    target, _ = start_target(target_dir)
+    router = start_router(RouterConfig(dynamic_k=False, k_max=4), target.address, None, target_dir)
+    plain = start_router(RouterConfig(dynamic_k=False, prompt_lookup=False, router_id=router.server.config.router_id),
+                         target.address, None, target_dir)
+    try:
+        prompt = [7, 8, 9, 10, 11] * 8
+        out = complete(router.url, prompt, 40)
+        assert out["choices"][0]["token_ids"] == hf_greedy(target_dir, prompt, 40)
+        assert metric(router.url, "tandem:lookup_proposals_total") > 0
+        assert metric(router.url, "tandem:spec_decode_num_draft_tokens_total") > 0
+        complete(plain.url, prompt, 10)
+        assert metric(plain.url, "tandem:spec_decode_num_draft_tokens_total") == 0, "--no-prompt-lookup: plain"
+    finally:
+        router.stop(), plain.stop(), target.stop()
