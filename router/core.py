@@ -122,7 +122,8 @@ class Sequence:
     prepared: list[Prepared] = field(default_factory=list)
     cache_epoch: int = 0  # bumped whenever the caches are dropped: late draft results for an old epoch are void
     outcome_start: int = -1  # history length before the last verification: its branches start there
-    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of the draft's proposals
+    lookup_tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of prompt-lookup proposals
     lookup: PromptLookup = field(default_factory=PromptLookup)  # n-grams of the history (prompt lookup)
     next_k: int = 0  # desired k for this sequence's next proposal
     num_preemptions: int = 0

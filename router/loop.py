@@ -170,7 +170,8 @@ class StepLoop:
             self._emit(seq, list(res.tokens), _logprobs(res))
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
             k = len(drafts)
-            seq.tracker.update(k, res.num_accepted)
+            tracker = seq.lookup_tracker if seq.seq_id in self.spec.from_lookup else seq.tracker
+            tracker.update(k, res.num_accepted)
             seq.stats.verified(k, res.num_accepted)
             if k:
                 self.metrics.num_drafts.inc()

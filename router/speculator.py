@@ -70,7 +70,8 @@ class Speculator:
         caps = [self.cap(s) for s in decoders]
         if self.config.dynamic_k:
             dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
-            chosen = choose_k([decoders[i].tracker.rate for i in dyn], [caps[i] for i in dyn], prefill_tokens,
+            lookup = self.config.prompt_lookup
+            chosen = choose_k([self.rate(decoders[i], lookup) for i in dyn], [caps[i] for i in dyn], prefill_tokens,
                               self.cost, self.draft_cost)
             for i, k in zip(dyn, chosen, strict=True):
                 caps[i] = k
@@ -78,18 +79,31 @@ class Speculator:
         for seq, k in zip(decoders, caps, strict=True):
             seq.next_k = k
             prepared_for_it = any(p.start == seq.outcome_start for p in seq.prepared)
-            drafts, _ = self.matched[seq.seq_id] = self.proposal(seq)
-            if drafts:
-                self.from_draft.add(seq.seq_id)
+            drafted = self.proposal(seq)
+            if not drafted[0] and not prepared_for_it:
+                self.late.add(seq.seq_id)
+            # a lookup proposal stands in where the draft has none, and replaces the draft's where
+            # this sequence's lookups have been accepted more often than its drafts
+            wants_lookup = k > 0 and (not drafted[0] or self._prefers_lookup(seq))
+            looked = self.lookup(seq) if wants_lookup else ([], [])
+            if looked[0]:
+                self.matched[seq.seq_id] = looked
+                self.from_lookup.add(seq.seq_id)
             else:
-                if not prepared_for_it:
-                    self.late.add(seq.seq_id)
-                if k > 0:
-                    drafts, _ = self.matched[seq.seq_id] = self.lookup(seq)
-                    if drafts:
-                        self.from_lookup.add(seq.seq_id)
-            ks.append(min(k, len(drafts)))
+                self.matched[seq.seq_id] = drafted
+                if drafted[0]:
+                    self.from_draft.add(seq.seq_id)
+            ks.append(min(k, len(self.matched[seq.seq_id][0])))
         return ks
+
+    @staticmethod
+    def _prefers_lookup(seq: Sequence) -> bool:
+        return seq.lookup_tracker.rate > seq.tracker.rate
+
+    @staticmethod
+    def rate(seq: Sequence, lookup: bool) -> float:
+        """The acceptance rate k is chosen by: the better of the sequence's two proposers."""
+        return max(seq.tracker.rate, seq.lookup_tracker.rate) if lookup else seq.tracker.rate
 
     def decode_ready(self, seq: Sequence) -> bool:
         # Seeded sampling stays reproducible only if its k never depends on timing: it waits

@@ -4,7 +4,9 @@ router with no draft at all speculating from it, exactly."""
 from __future__ import annotations
 
 from router.config import RouterConfig
+from router.core import GREEDY, Request, Sequence
 from router.lookup import PromptLookup
+from router.speculator import Speculator
 from tests.conftest import hf_greedy
 from tests.stack import complete, start_router, start_target
 from tests.test_router_integration import metric
@@ -45,3 +47,18 @@ def test_a_router_without_a_draft_speculates_from_the_history(model_pair):
         assert metric(plain.url, "tandem:spec_decode_num_draft_tokens_total") == 0, "--no-prompt-lookup: plain"
     finally:
         router.stop(), plain.stop(), target.stop()
+
+
+def test_a_sequence_uses_the_proposer_its_history_accepts_more():
+    """Both proposers are tracked per sequence: a draft that keeps being rejected gives way to lookup
+    proposals once they have been accepted more often, and takes over again when lookups fail."""
+    seq = Sequence(seq_id=1, request=Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8))
+    assert not Speculator._prefers_lookup(seq), "equal priors: the draft's proposal (it carries q) goes first"
+    for _ in range(5):
+        seq.tracker.update(4, 0)
+    assert Speculator._prefers_lookup(seq)
+    assert Speculator.rate(seq, lookup=True) == seq.lookup_tracker.rate > seq.tracker.rate
+    assert Speculator.rate(seq, lookup=False) == seq.tracker.rate
+    for _ in range(10):
+        seq.lookup_tracker.update(4, 0)
+    assert not Speculator._prefers_lookup(seq)
