@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,3 +164,24 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def compute_id(device: torch.device) -> str:
+    """Names the compute this process runs on: equal for two services iff they share it."""
+    host = socket.gethostname()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{host}/{getattr(props, 'uuid', None) or device}"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return f"{host}/{device.type}/{_ranges(cores)}"
+
+
+def _ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'"""
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)

@@ -28,7 +28,7 @@ from common.sampling import SamplingParams
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from common.tracing import add_tracing_args
 from engine.attention import uses_flash
-from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.config import DTYPES, EngineConfig, ModelConfig, compute_id
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
 from engine.lease import LeaseKeeper, NotOwner
 from engine.parallel import SINGLE, TensorParallel
@@ -136,6 +136,7 @@ class ModelWorker:
         self.max_draft_tokens = max_draft_tokens
         self.fingerprint = tokenizer_fingerprint(runner.model_dir) if runner.model_dir else ""
         self.eos_ids = eos_token_ids(runner.model_dir) if runner.model_dir else []
+        self.compute_id = compute_id(runner.device)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.in_flight = 0
         self.lease = LeaseKeeper(self._free_all)
@@ -157,7 +158,7 @@ class ModelWorker:
             num_blocks=r.config.num_blocks, block_size=r.config.block_size, free_blocks=r.blocks.num_free,
             dtype=str(r.dtype).removeprefix("torch."), device=str(r.device), attention_backend=r.backend.name,
             max_draft_tokens=self.max_draft_tokens, max_batch_tokens=r.config.max_batch_tokens,
-            eos_token_ids=self.eos_ids, num_sequences=r.blocks.num_sequences,
+            eos_token_ids=self.eos_ids, num_sequences=r.blocks.num_sequences, compute_id=self.compute_id,
         )
 
     def release(self, seq_ids: list[int]) -> int:

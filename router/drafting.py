@@ -156,8 +156,8 @@ class DraftLane:
             await self.client.release(ids)
         self.info, self.up = info, True
         self.metrics.replica_up.labels(replica=self.client.address, service="draft").set(1)
-        log.info("draft %s ready: %s, %d blocks x %d", self.client.address, info.model_id, info.num_blocks,
-                 info.block_size)
+        log.info("draft %s ready: %s, %d blocks x %d, on %s", self.client.address, info.model_id, info.num_blocks,
+                 info.block_size, info.compute_id or "unknown compute")
 
     def _lost(self) -> None:
         self.up = False

@@ -32,13 +32,14 @@ class StepLoop:
                  metrics: Metrics, max_model_len: int, target_max_k: int,
                  emit: Callable[[Sequence, list[int], list[TokenLogprob] | None], None],
                  fail: Callable[[Sequence, FinishReason, Exception], None],
-                 on_target_lost: Callable[[], None], wake: Callable[[], None] = lambda: None) -> None:
+                 on_target_lost: Callable[[], None], wake: Callable[[], None] = lambda: None,
+                 target_compute: str = "") -> None:
         self.config = config
         self.scheduler = scheduler
         self.target = target
         self.draft = draft
         self.metrics = metrics
-        self.spec = Speculator(config, scheduler, draft, max_model_len, target_max_k)
+        self.spec = Speculator(config, scheduler, draft, max_model_len, target_max_k, target_compute)
         self._emit = emit
         self._fail = fail
         self._on_target_lost = on_target_lost

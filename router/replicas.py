@@ -97,13 +97,14 @@ class Replicas:
         lane.loop = StepLoop(self.config, lane.scheduler, lane.target, lane.draft, self.metrics,
                              min(lane.info.max_model_len, self.target_info.max_model_len),
                              lane.info.max_draft_tokens or self.config.k_max, self._emit, self._finish,
-                             lambda: self._lost(lane), lane.wake.set)
+                             lambda: self._lost(lane), lane.wake.set, lane.info.compute_id)
         self.lanes[lane.name] = lane
         share_draft_capacity(list(self.lanes.values()))
         lane.task = asyncio.create_task(self._run(lane))
         self.metrics.replica_up.labels(replica=lane.name, service="target").set(1)
-        log.info("target replica %s: %s, %d blocks x %d, max_model_len %d", lane.name, lane.info.model_id,
-                 lane.info.free_blocks, lane.info.block_size, lane.info.max_model_len)
+        log.info("target replica %s: %s, %d blocks x %d, max_model_len %d, on %s", lane.name, lane.info.model_id,
+                 lane.info.free_blocks, lane.info.block_size, lane.info.max_model_len,
+                 lane.info.compute_id or "unknown compute")
 
     async def _retire(self, lane: Lane) -> None:
         log.warning("target replica %s left discovery", lane.name)

@@ -19,8 +19,9 @@ Proposal = tuple[list[int], list[common_pb2.SparseDist]]
 
 class Speculator:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, draft: DraftLane, max_model_len: int,
-                 target_max_k: int) -> None:
+                 target_max_k: int, target_compute: str = "") -> None:
         self.config = config
+        self.target_compute = target_compute  # ModelInfo.compute_id of the target
         self.k_max = min(config.k_max, target_max_k)  # the target's limit clamps the router's (lanes.py logs it)
         self.scheduler = scheduler
         self.draft = draft
@@ -32,6 +33,7 @@ class Speculator:
         self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
+        self.lookup_first: set[int] = set()  # decoders that asked for lookup first (their lookups do better)
         draft.on_cost = self._observe_draft
 
     # ---- k and proposals ------------------------------------------------------------------------
@@ -68,6 +70,7 @@ class Speculator:
     def choose_ks(self, decoders: list[Sequence], prefill_tokens: int) -> list[int]:
         """The scheduler's callback: k per decoder, its policy's wish capped by the proposal it has."""
         caps = [self.cap(s) for s in decoders]
+        self.draft_cost.pipelined = self.config.pipeline and not self.shares_compute()
         if self.config.dynamic_k:
             dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
             lookup = self.config.prompt_lookup
@@ -84,8 +87,12 @@ class Speculator:
                 self.late.add(seq.seq_id)
             # a lookup proposal stands in where the draft has none, and replaces the draft's where
             # this sequence's lookups have been accepted more often than its drafts
-            wants_lookup = k > 0 and (not drafted[0] or self._prefers_lookup(seq))
-            looked = self.lookup(seq) if wants_lookup else ([], [])
+            prefers_lookup = self._prefers_lookup(seq)
+            if prefers_lookup:
+                self.lookup_first.add(seq.seq_id)
+            looked = self.lookup(seq) if k > 0 and (not drafted[0] or prefers_lookup) else ([], [])
+            if prefers_lookup and k > 0 and not looked[0]:
+                seq.lookup_tracker.update(1, 0)  # no match is a miss: a history that stops repeating hands back
             if looked[0]:
                 self.matched[seq.seq_id] = looked
                 self.from_lookup.add(seq.seq_id)
@@ -95,6 +102,12 @@ class Speculator:
                     self.from_draft.add(seq.seq_id)
             ks.append(min(k, len(self.matched[seq.seq_id][0])))
         return ks
+
+    def shares_compute(self) -> bool:
+        """Draft and target on the same cores or GPU: the draft's work, pipelined or not, slows the
+        target's steps, so dynamic k counts it in full."""
+        info = self.draft.info
+        return bool(self.draft.up and info is not None and info.compute_id and info.compute_id == self.target_compute)
 
     @staticmethod
     def _prefers_lookup(seq: Sequence) -> bool:
@@ -113,7 +126,7 @@ class Speculator:
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
         late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
-        if seq.next_k <= 0 or not self.draft.up:
+        if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_first:
             return None
         if seq.seq_id in self.from_draft:
             return "hit"
@@ -124,6 +137,7 @@ class Speculator:
         self.late.clear()
         self.from_draft.clear()
         self.from_lookup.clear()
+        self.lookup_first.clear()
 
     def observe_outcome(self, seq: Sequence, v: int, accepted: int, token: int) -> None:
         """Which prepared branch (if any) this verification's outcome matched: the rank statistics."""
@@ -140,7 +154,8 @@ class Speculator:
         cands: list[tuple[Sequence, list[int], Candidate]] = []
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
-                if seq.next_k > 0 and not seq.request.reproducible:
+                # a sequence whose lookups beat its drafts gets no branches: they would go unused
+                if seq.next_k > 0 and not seq.request.reproducible and not self._prefers_lookup(seq):
                     cands.append((seq, seq.tokens + drafts, Candidate(seq.seq_id, len(drafts), seq.tracker.rate,
                                                                       seq.next_k)))
             for c in plan.chunks:
