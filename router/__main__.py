@@ -50,6 +50,9 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
                         "and the measured step costs)")
     p.add_argument("--no-pipeline", action="store_true", help="draft then target in sequence")
     p.add_argument("--no-chunked-prefill", action="store_true", help="whole prompts first (stalls decodes)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (default: sequences start from the KV blocks of their longest "
+                        "prefix cached by each service, e.g. the earlier turns of a conversation)")
     p.add_argument("--target-timeout", type=float, default=d.target_timeout_s, help="deadline of one Step (s)")
     p.add_argument("--draft-timeout", type=float, default=d.draft_timeout_s,
                    help="deadline of one draft call (s); past it the affected sequences run with k = 0")
@@ -67,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
         k_max=args.num_speculative_tokens,
         dynamic_k=not args.no_dynamic_k, pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
+        prefix_caching=not args.no_prefix_caching,
         target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace)
 
 

@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from common.sampling import InvalidField, SamplingParams
+from router.prefix import SeqPrefix
 from router.spec_policy import AcceptanceTracker
 from router.speculation import Prepared
 from tandem.v1 import common_pb2
@@ -113,6 +114,7 @@ class Sequence:
     prepared: list[Prepared] = field(default_factory=list)
     cache_epoch: int = 0  # bumped whenever the caches are dropped: late draft results for an old epoch are void
     outcome_start: int = -1  # history length before the last verification: its branches start there
+    prefix: SeqPrefix = field(default_factory=SeqPrefix)  # cached prefixes it attaches (router.prefix)
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     next_k: int = 0  # desired k for this sequence's next proposal
     num_preemptions: int = 0
@@ -135,4 +137,5 @@ class Sequence:
         self.target_cached = self.draft_cached = 0
         self.draft_stream = []
         self.prepared = []
+        self.prefix.reset()
         self.cache_epoch += 1

@@ -21,6 +21,7 @@ from router.core import SeqStatus, Sequence
 from router.drafting import DraftLane
 from router.loop import StepLoop
 from router.metrics import Metrics
+from router.prefix import PrefixCaches
 from router.scheduler import CacheGeometry, Scheduler
 from tandem.v1 import common_pb2
 
@@ -73,6 +74,8 @@ def share_draft_capacity(lanes: list[Lane]) -> None:
         info = lane.draft.info
         if info is not None:
             lane.scheduler.draft = CacheGeometry(info.free_blocks // users[lane.draft_address], info.block_size)
+            if lane.scheduler.prefix is not None:
+                lane.scheduler.prefix.use_draft(info.block_size if info.prefix_caching else None)
 
 
 def choose_lane(lanes: list[Lane], exclude: Lane | None = None) -> Lane | None:
@@ -112,7 +115,9 @@ async def connect_lane(config: RouterConfig, metrics: Metrics, address: str, dra
     draft = DraftLane(DraftClient(draft_address, config.draft_timeout_s, config.draft_tls) if draft_address else None,
                       metrics, config.draft_retry_s)
     await draft.connect(info.tokenizer_fingerprint or fingerprint, info.vocab_size)
-    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None)
+    prefix = PrefixCaches(info.block_size, metrics.prefix_queries, metrics.prefix_hits, metrics.prefix_misses) \
+        if config.prefix_caching and info.prefix_caching else None
+    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None, prefix)
     return Lane(target=target, draft=draft, info=info, scheduler=scheduler, down_since=time.monotonic())
 
 

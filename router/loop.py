@@ -114,7 +114,7 @@ class StepLoop:
         for c in plan.chunks:
             entries.append(target_pb2.StepEntry(
                 seq_id=c.seq.seq_id, start_pos=c.start, tokens=c.seq.tokens[c.start:c.end], emit=c.emit,
-                sampling=c.seq.request.sampling_proto, logprobs=self._lp(c.seq)))
+                sampling=c.seq.request.sampling_proto, logprobs=self._lp(c.seq), prefix_block_hashes=c.attach))
         return entries, sent
 
     @staticmethod
