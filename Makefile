@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS := tandem/v1/.generated
 
-.PHONY: help install proto lint test e2e-test run bench deploy image image-cuda gpu-check clean
+.PHONY: help install proto lint test e2e-test chaos run bench deploy image image-cuda gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -46,6 +46,10 @@ else
 endif
 
 RUN_MODELS ?= models/demo
+chaos: $(STUBS)  ## only the fault-injection part of e2e-test (stalled and restarted services, hang-ups)
+	$(MAKE) --no-print-directory models-tiny
+	TANDEM_E2E_MODELS=$(E2E_MODELS) $(VENV)/bin/pytest tests/e2e/test_chaos.py
+
 run: $(STUBS) models  ## build the models if absent, start target + draft + router (NO_DRAFT=1: target-only)
 	$(VENV)/bin/tandem serve $(RUN_MODELS) $(if $(NO_DRAFT),--no-draft) \
 		--port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)

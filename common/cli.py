@@ -32,7 +32,8 @@ def env_settable(parser: argparse.ArgumentParser, environ: dict[str, str] | None
         name = env_name(action)
         if name is None:
             continue
-        action.help = f"{action.help or ''} [env {name}]".strip()
+        if action.help != argparse.SUPPRESS:
+            action.help = f"{action.help or ''} [env {name}]".strip()
         if name not in environ:
             continue
         raw = environ[name]

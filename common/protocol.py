@@ -5,3 +5,7 @@ PROTOCOL = "tandem.v1"
 CACHE_MISS_METADATA = "tandem-cache-miss"
 # Most top alternatives a logprobs request may ask for (OpenAI's limit).
 MAX_LOGPROBS = 20
+# Call metadata naming the router that makes a call (the lease holder, common.proto LeaseRequest).
+ROUTER_METADATA = "tandem-router"
+# Trailing metadata of a FAILED_PRECONDITION refusal: another router holds the service's lease; its id.
+NOT_OWNER_METADATA = "tandem-not-owner"

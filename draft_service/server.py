@@ -26,19 +26,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @rpc_errors
     async def Sync(self, request: draft_pb2.SyncRequest, context: grpc.aio.ServicerContext) -> draft_pb2.SyncResponse:
+        self.worker.lease.check(context)
         return await self.worker.run(self._sync, request, call_deadline(context))
 
     @rpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest,
                       context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
+        self.worker.lease.check(context)
         return await self.worker.run(self._propose, request, call_deadline(context))
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
         check_deadline(context)
+        self.worker.lease.check(context)
         free = await self.worker.run(self.worker.release, list(request.seq_ids))
         return common_pb2.ReleaseResponse(free_blocks=free)
+
+    @rpc_errors
+    async def Lease(self, request: common_pb2.LeaseRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.LeaseResponse:
+        return await self.worker.lease_rpc(request)
 
     # ---- on the model thread -----------------------------------------------------------------
     def _sync(self, request: draft_pb2.SyncRequest, deadline: float | None) -> draft_pb2.SyncResponse:

@@ -73,6 +73,9 @@ class BlockManager:
     def num_sequences(self) -> int:
         return len(self._tables)
 
+    def sequences(self) -> list[int]:
+        return list(self._tables)
+
     def has(self, seq_id: int) -> bool:
         return seq_id in self._tables
 

@@ -9,6 +9,7 @@ import functools
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,13 +20,14 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.protocol import CACHE_MISS_METADATA, PROTOCOL
+from common.protocol import CACHE_MISS_METADATA, NOT_OWNER_METADATA, PROTOCOL
 from common.reload import reload_on_sighup
 from common.sampling import SamplingParams
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from engine.attention import uses_flash
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheExhausted, PagedKVCache
+from engine.lease import LeaseKeeper, NotOwner
 from engine.parallel import SINGLE, TensorParallel
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import SamplingSpec, validate_sampling
@@ -135,6 +137,7 @@ class ModelWorker:
         self.eos_ids = eos_token_ids(runner.model_dir) if runner.model_dir else []
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.in_flight = 0
+        self.lease = LeaseKeeper(self._free_all)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         self.in_flight += 1
@@ -158,6 +161,15 @@ class ModelWorker:
         self.runner.release(seq_ids)
         return self.runner.blocks.num_free
 
+    async def _free_all(self) -> None:
+        await self.run(lambda: self.runner.release(self.runner.blocks.sequences()))
+
+    async def lease_rpc(self, request: common_pb2.LeaseRequest) -> common_pb2.LeaseResponse:
+        try:
+            return await self.lease.handle(request)
+        except ValueError as e:
+            raise InvalidInput("lease", str(e)) from None
+
 
 def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Map engine exceptions to gRPC status codes; nothing but the failing call is affected."""
@@ -171,10 +183,19 @@ def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
         except CacheMiss as e:
             context.set_trailing_metadata(((CACHE_MISS_METADATA, ",".join(map(str, e.seq_ids))),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except NotOwner as e:
+            context.set_trailing_metadata(((NOT_OWNER_METADATA, e.owner),))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KVCacheExhausted as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except DeadlineExpired as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # a bug or a fault: the caller gets a short answer, the log the whole story
+            log_id = uuid.uuid4().hex[:12]
+            log.exception("%s failed [log id %s]", method.__name__, log_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})")
         raise AssertionError("unreachable")  # abort() raises
 
     return wrapper

@@ -12,6 +12,7 @@ from common.tls import TLSError
 from router.config import RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
+from router.lanes import IncompatibleLimits
 from router.replicas import IncompatibleTarget
 from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
@@ -58,6 +59,9 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
                    help="deadline of one draft call (s); past it the affected sequences run with k = 0")
     p.add_argument("--target-grace", type=float, default=d.target_grace_s,
                    help="how long requests wait for an unreachable target before 503 (s)")
+    p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s,
+                   help="ownership lease on each model replica (s): renewed every third of it; a router that dies "
+                        "lets others take its replicas, and the replicas free its KV, after this long")
     p.add_argument("--startup-wait", type=float, default=300.0, help="how long to wait for the target at start (s)")
     p.add_argument("--log-level", default="INFO")
     add_security_args(p)
@@ -71,7 +75,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         k_max=args.num_speculative_tokens,
         dynamic_k=not args.no_dynamic_k, pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
         prefix_caching=not args.no_prefix_caching,
-        target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace)
+        target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace,
+        lease_ttl_s=args.lease_ttl)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
                           host=args.host, http_port=args.port, grpc_port=args.grpc_port)
     try:
         main_sync(config, endpoints, args.startup_wait, security)
-    except (IncompatibleDraft, IncompatibleTarget, ServiceUnavailable) as err:
+    except (IncompatibleDraft, IncompatibleTarget, IncompatibleLimits, ServiceUnavailable) as err:
         logging.getLogger("router").error("%s", err)
         return 1
     return 0

@@ -1,5 +1,5 @@
 """Thin clients of the model services: deadlines on every call, gRPC errors turned into the
-three things the step loop acts on (cache miss, service down, request rejected).
+four things the step loop acts on (cache miss, service down, service error, request rejected).
 
 Over TLS, a client whose certificate files change (rotation) opens a new channel for the calls
 that follow and closes the old one once the calls on it are done (grace: the call deadline)."""
@@ -10,7 +10,7 @@ import asyncio
 
 import grpc
 
-from common.protocol import CACHE_MISS_METADATA
+from common.protocol import CACHE_MISS_METADATA, NOT_OWNER_METADATA, ROUTER_METADATA
 from common.tls import ClientTLS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -27,6 +27,19 @@ class ServiceDown(Exception):
     """Unreachable, timed out or shutting down: the call may be retried once the service is back."""
 
 
+class ServiceError(Exception):
+    """The service answered, with an internal error: a bug or a fault in it, not a lost connection.
+    Retrying the same call blindly may fail forever; the step loop isolates the cause instead."""
+
+
+class NotOwner(Exception):
+    """Another router holds the service's lease: this router must not use it (and lost what it had there)."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__(f"the service is leased to another router ({owner})")
+        self.owner = owner
+
+
 class Rejected(Exception):
     """The service refused the call (INVALID_ARGUMENT or RESOURCE_EXHAUSTED): a router-side bug or
     a bad request that slipped through; `code` says which."""
@@ -37,8 +50,9 @@ class Rejected(Exception):
         self.details = details
 
 
-_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-         grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED}
+_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+_BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
+           grpc.StatusCode.UNIMPLEMENTED}
 
 
 def _translate(err: grpc.aio.AioRpcError) -> Exception:
@@ -47,16 +61,22 @@ def _translate(err: grpc.aio.AioRpcError) -> Exception:
         for key, value in err.trailing_metadata() or ():
             if key == CACHE_MISS_METADATA:
                 return CacheMissError([int(s) for s in value.split(",") if s])
+            if key == NOT_OWNER_METADATA:
+                return NotOwner(value)
     if code in _DOWN:
         return ServiceDown(f"{code.name}: {err.details()}")
+    if code in _BROKEN:
+        return ServiceError(f"{code.name}: {err.details()}")
     return Rejected(code, err.details() or "")
 
 
 class _Client:
-    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None, router_id: str = "") -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.tls = tls
+        self.router_id = router_id
+        self._metadata = ((ROUTER_METADATA, router_id),) if router_id else None
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
         self._generation = 0  # of the certificates the channel was built with
@@ -87,9 +107,20 @@ class _Client:
 
     async def _call(self, method, request, timeout_s: float | None = None):  # noqa: ANN001, ANN202
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s)
+            return await method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise _translate(err) from None
+
+    async def info(self, timeout_s: float = 5.0) -> common_pb2.ModelInfo:
+        return await self._call(self.stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
+
+    async def release(self, seq_ids: list[int]) -> None:
+        await self._call(self.stub.Release, common_pb2.ReleaseRequest(seq_ids=seq_ids), 5.0)
+
+    async def lease(self, ttl_s: float, release: bool = False) -> common_pb2.LeaseResponse:
+        """Claim or renew this router's lease on the service (or give it up)."""
+        request = common_pb2.LeaseRequest(router_id=self.router_id, ttl_ms=int(ttl_s * 1000), release=release)
+        return await self._call(self.stub.Lease, request, 5.0)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -102,27 +133,15 @@ class _Client:
 class TargetClient(_Client):
     _stub_class = target_pb2_grpc.TargetServiceStub
 
-    async def info(self, timeout_s: float = 5.0) -> common_pb2.ModelInfo:
-        return await self._call(self.stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
-
     async def step(self, entries: list[target_pb2.StepEntry]) -> target_pb2.StepResponse:
         return await self._call(self.stub.Step, target_pb2.StepRequest(entries=entries))
-
-    async def release(self, seq_ids: list[int]) -> None:
-        await self._call(self.stub.Release, common_pb2.ReleaseRequest(seq_ids=seq_ids), 5.0)
 
 
 class DraftClient(_Client):
     _stub_class = draft_pb2_grpc.DraftServiceStub
-
-    async def info(self, timeout_s: float = 5.0) -> common_pb2.ModelInfo:
-        return await self._call(self.stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
 
     async def sync(self, chunks: list[draft_pb2.Chunk]) -> draft_pb2.SyncResponse:
         return await self._call(self.stub.Sync, draft_pb2.SyncRequest(chunks=chunks))
 
     async def propose(self, entries: list[draft_pb2.ProposeEntry]) -> draft_pb2.ProposeResponse:
         return await self._call(self.stub.Propose, draft_pb2.ProposeRequest(entries=entries))
-
-    async def release(self, seq_ids: list[int]) -> None:
-        await self._call(self.stub.Release, common_pb2.ReleaseRequest(seq_ids=seq_ids), 5.0)

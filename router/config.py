@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,6 +29,8 @@ class RouterConfig:
     draft_retry_s: float = 1.0  # first reconnect backoff for a lost draft (doubles up to 30 s)
     target_tls: ClientTLS | None = None  # TLS to the target replicas (router.security); None: plaintext
     draft_tls: ClientTLS | None = None
+    lease_ttl_s: float = 10.0  # a replica this router stops renewing is freed for others after this long
+    router_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -37,6 +41,6 @@ class RouterConfig:
             raise ValueError("k_max must be in [0, 16]")
         if self.max_waiting < 0 or self.max_model_len < 0 or self.max_body_bytes < 1024:
             raise ValueError("max_waiting and max_model_len must be >= 0, max_body_bytes >= 1024")
-        for name in ("target_timeout_s", "draft_timeout_s", "target_grace_s", "draft_retry_s"):
+        for name in ("target_timeout_s", "draft_timeout_s", "target_grace_s", "draft_retry_s", "lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.clients import CacheMissError, DraftClient, Rejected, ServiceDown
+from router.clients import CacheMissError, DraftClient, NotOwner, Rejected, ServiceDown, ServiceError
 from router.core import Sequence
 from router.metrics import Metrics
 from router.speculation import OutcomeStats, Prepared
@@ -97,10 +97,11 @@ class DraftWork:
 
 
 class DraftLane:
-    def __init__(self, client: DraftClient | None, metrics: Metrics, retry_s: float) -> None:
+    def __init__(self, client: DraftClient | None, metrics: Metrics, retry_s: float, lease_ttl_s: float = 10.0) -> None:
         self.client = client
         self.metrics = metrics
         self.retry_s = retry_s
+        self.lease_ttl_s = lease_ttl_s
         self.info: common_pb2.ModelInfo | None = None
         self.up = False
         self.stats = OutcomeStats()
@@ -130,13 +131,16 @@ class DraftLane:
             return
         try:
             await self._handshake()
-        except ServiceDown as err:
-            log.warning("draft %s unreachable (%s): serving with k = 0 until it is back", self.client.address, err)
+        except (ServiceDown, NotOwner) as err:
+            log.warning("draft %s unavailable (%s): serving with k = 0 until it is back", self.client.address, err)
             self._lost()
 
     async def _handshake(self) -> None:
         assert self.client is not None and self._expect is not None
         info = await self.client.info()  # answered by the model thread: a stuck draft is not "up"
+        lease = await self.client.lease(self.lease_ttl_s)
+        if not lease.granted:
+            raise NotOwner(lease.owner)
         fingerprint, vocab = self._expect
         if info.vocab_size != vocab or (fingerprint and info.tokenizer_fingerprint != fingerprint):
             raise IncompatibleDraft(
@@ -164,7 +168,7 @@ class DraftLane:
             await asyncio.sleep(delay)
             try:
                 await self._handshake()
-            except (ServiceDown, Rejected, CacheMissError):
+            except (ServiceDown, Rejected, CacheMissError, NotOwner, ServiceError):
                 delay = min(2 * delay, 5.0)
             except IncompatibleDraft as err:
                 log.error("%s", err)
@@ -199,7 +203,7 @@ class DraftLane:
             self._apply(work, response)
         except CacheMissError as err:  # the draft restarted: those sequences resync from scratch
             self._reset([s for s in work.seqs if s.seq_id in set(err.seq_ids)], "cache_miss")
-        except ServiceDown as err:
+        except (ServiceDown, NotOwner) as err:
             log.warning("draft call failed (%s): k = 0 until it is back", err)
             self._reset(work.seqs, "down")
             self._lost()
@@ -237,6 +241,29 @@ class DraftLane:
             for spec, b in zip(entry.branches, prop.branches, strict=True):
                 seq.prepared.append(Prepared(history_len, verifying[:b.accepted] + (b.token,), tuple(b.drafts),
                                              tuple(b.probs), b.accepted, spec.rank))
+
+    async def renew(self) -> None:
+        """Keep this router's lease on the draft; losing it is losing the draft."""
+        if not self.up or self.client is None:
+            return
+        try:
+            if not (await self.client.lease(self.lease_ttl_s)).granted:
+                raise NotOwner("another router")
+        except (ServiceDown, NotOwner) as err:
+            log.warning("draft %s lease not renewed (%s): k = 0 until it is back", self.client.address, err)
+            self._lost()
+        except (Rejected, ServiceError) as err:
+            log.warning("draft %s lease renewal failed: %s", self.client.address, err)
+
+    async def give_up(self) -> None:
+        """Hand the draft back (its KV freed) when no lane of this router uses it any more."""
+        await self.close()
+        if self.up and self.client is not None:
+            try:
+                await self.client.lease(self.lease_ttl_s, release=True)
+            except (ServiceDown, Rejected, ServiceError, NotOwner) as err:
+                log.debug("draft lease release failed: %s", err)
+        self.up = False
 
     def release(self, seq_ids: list[int]) -> None:
         """Queue releases; they go out with the next chance (at once when up, on reconnect otherwise)."""

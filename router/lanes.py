@@ -37,7 +37,9 @@ class Lane:
     loop: StepLoop | None = None
     up: bool = True
     down_since: float = 0.0
+    contact: float = 0.0  # when the target last answered (monotonic)
     retired: bool = False
+    draining_since: float | None = None  # giving the replica up to another router: no new sequences
     task: asyncio.Task | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     to_release: list[int] = field(default_factory=list)
@@ -59,12 +61,14 @@ class Lane:
         return list(self.scheduler.running) + list(self.scheduler.waiting)
 
 
-def pick_draft(lanes: list[Lane], drafts: list[str]) -> str | None:
-    """The draft replica used by the fewest lanes (stable: ties go to the first listed)."""
-    if not drafts:
+def pick_draft(lanes: list[Lane], drafts: list[str], elsewhere: set[str] = frozenset()) -> str | None:
+    """The draft replica used by the fewest lanes (stable: ties go to the first listed), among those
+    no other router holds."""
+    free = [d for d in drafts if d not in elsewhere]
+    if not free:
         return None
     used = Counter(lane.draft_address for lane in lanes)
-    return min(drafts, key=lambda d: used[d])
+    return min(free, key=lambda d: used[d])
 
 
 def share_draft_capacity(lanes: list[Lane]) -> None:
@@ -79,7 +83,8 @@ def share_draft_capacity(lanes: list[Lane]) -> None:
 
 
 def choose_lane(lanes: list[Lane], exclude: Lane | None = None) -> Lane | None:
-    candidates = [lane for lane in lanes if lane.up and not lane.retired and lane is not exclude]
+    candidates = [lane for lane in lanes if lane.up and not lane.retired and lane.draining_since is None
+                  and lane is not exclude]
     return min(candidates, key=Lane.load) if candidates else None
 
 
@@ -106,19 +111,34 @@ def migrate(src: Lane, lanes: list[Lane], metrics: Metrics) -> list[tuple[Sequen
     return moved
 
 
-async def connect_lane(config: RouterConfig, metrics: Metrics, address: str, draft_address: str | None,
+async def connect_lane(config: RouterConfig, metrics: Metrics, target: TargetClient, draft_address: str | None,
                        fingerprint: str) -> Lane:
-    """GetInfo on the target (raises ServiceDown), then the draft handshake (IncompatibleDraft
-    is raised; an unreachable draft is retried in the background)."""
-    target = TargetClient(address, config.target_timeout_s, config.target_tls)
+    """GetInfo on the target (raises ServiceDown), then the draft handshake with its lease
+    (IncompatibleDraft is raised; a draft unreachable or leased elsewhere is retried in the background).
+    The caller holds the target's lease already."""
+    address = target.address
     info = await target.info()
-    draft = DraftLane(DraftClient(draft_address, config.draft_timeout_s, config.draft_tls) if draft_address else None,
-                      metrics, config.draft_retry_s)
+    draft = DraftLane(DraftClient(draft_address, config.draft_timeout_s, config.draft_tls, config.router_id)
+                      if draft_address else None, metrics, config.draft_retry_s, config.lease_ttl_s)
     await draft.connect(info.tokenizer_fingerprint or fingerprint, info.vocab_size)
+    budget = min(config.max_num_batched_tokens, info.max_batch_tokens or config.max_num_batched_tokens)
+    if budget < config.max_num_seqs:
+        raise IncompatibleLimits(f"target {address} takes at most {info.max_batch_tokens} tokens per step, fewer than "
+                                 f"the router's --max-num-seqs {config.max_num_seqs}: every running decode needs one")
+    if budget < config.max_num_batched_tokens:
+        log.warning("target %s takes at most %d tokens per step: the router's --max-num-batched-tokens %d is clamped "
+                    "to it for this replica", address, info.max_batch_tokens, config.max_num_batched_tokens)
+    if config.k_max > info.max_draft_tokens:
+        log.warning("target %s verifies at most %d draft tokens per sequence: --num-speculative-tokens %d is clamped "
+                    "to it for this replica", address, info.max_draft_tokens, config.k_max)
     prefix = PrefixCaches(info.block_size, metrics.prefix_queries, metrics.prefix_hits, metrics.prefix_misses) \
         if config.prefix_caching and info.prefix_caching else None
-    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None, prefix)
+    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None, budget, prefix)
     return Lane(target=target, draft=draft, info=info, scheduler=scheduler, down_since=time.monotonic())
+
+
+class IncompatibleLimits(RuntimeError):
+    """A target's limits leave the router's configuration no room: refuse to start, naming both."""
 
 
 def publish_gauges(lanes: list[Lane], metrics: Metrics) -> None:

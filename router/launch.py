@@ -82,6 +82,7 @@ class Stack:
     target_port: int = 50052
     draft_port: int = 50053
     service_args: list[str] = field(default_factory=list)
+    target_args: list[str] = field(default_factory=list)  # for the target only, after service_args
     router_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     log_dir: Path | None = None
@@ -122,7 +123,7 @@ class Stack:
         module = "target_service" if name == "target" else "draft_service"
         model = self.target_dir if name == "target" else self.draft_dir
         self._spawn(name, [module, "--model", str(model), "--host", self.host, "--port", str(port),
-                           *self.service_args])
+                           *self.service_args, *(self.target_args if name == "target" else [])])
 
     def start_router(self) -> None:
         args = ["router", "--target", f"{self.host}:{self.target_port}", "--tokenizer", str(self.target_dir),

@@ -13,9 +13,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.clients import CacheMissError, Rejected, ServiceDown, TargetClient
+from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
-from router.core import FinishReason, Sequence, TokenLogprob
+from router.core import FinishReason, InternalError, Sequence, TokenLogprob
 from router.drafting import DraftLane
 from router.metrics import Metrics
 from router.scheduler import Scheduler, StepPlan
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class StepLoop:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, target: TargetClient, draft: DraftLane,
-                 metrics: Metrics, max_model_len: int,
+                 metrics: Metrics, max_model_len: int, target_max_k: int,
                  emit: Callable[[Sequence, list[int], list[TokenLogprob] | None], None],
                  fail: Callable[[Sequence, FinishReason, Exception], None],
                  on_target_lost: Callable[[], None], wake: Callable[[], None] = lambda: None) -> None:
@@ -36,20 +36,21 @@ class StepLoop:
         self.target = target
         self.draft = draft
         self.metrics = metrics
-        self.spec = Speculator(config, scheduler, draft, max_model_len)
+        self.spec = Speculator(config, scheduler, draft, max_model_len, target_max_k)
         self._emit = emit
         self._fail = fail
         self._on_target_lost = on_target_lost
         draft.on_done = wake
         self.steps = 0
         self._pending_release: list[int] = []
+        self._suspects: list[Sequence] = []  # the sequences of a step the target failed, each retried alone
         self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
 
     # ---- one iteration ---------------------------------------------------------------------------
     async def release_now(self, seq_ids: list[int]) -> None:
         try:
             await self.target.release(seq_ids)
-        except (ServiceDown, Rejected) as err:
+        except (ServiceDown, Rejected, ServiceError, NotOwner) as err:
             log.warning("target release failed: %s", err)
         self.draft.release(seq_ids)
         await self.draft.flush_releases()
@@ -62,12 +63,16 @@ class StepLoop:
             await self.release_now(ids)
         draft_ms = 0.0 if self.config.pipeline else await self.spec.sequential_proposals()
         self.spec.new_step()
-        plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready)
+        only = self._next_suspect()
+        plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
         if plan.preempted:
             for seq in plan.preempted:
                 self.metrics.preemptions.inc()
                 log.info("preempted seq %d (%d tokens) for recompute", seq.seq_id, len(seq.tokens))
             await self.release_now([s.seq_id for s in plan.preempted])  # their blocks must be free for this step
+        if plan.empty and only is not None:
+            self._suspects.remove(only)  # it cannot run now (preempted, waiting): it is no longer a suspect
+            return True
         if plan.empty:
             if self.draft.up and self.draft.idle:
                 work = self.spec.waiting_work()
@@ -86,13 +91,18 @@ class StepLoop:
                 if seq.seq_id in err.seq_ids:
                     seq.target_cached = 0
             return True
-        except ServiceDown as err:
+        except (ServiceDown, NotOwner) as err:
             log.error("target step failed: %s", err)
             self._on_target_lost()
+            return True
+        except ServiceError as err:
+            self._service_error(plan, only, err)
             return True
         except Rejected as err:
             self._reject(plan, err)
             return True
+        if only is not None:
+            self._suspects.remove(only)  # it ran alone without fault: another sequence caused it
         target_wall_ms = (time.perf_counter() - t_target) * 1000
         self._apply(plan, sent, response)
         self._record(plan, response, draft_ms, target_wall_ms, t_start)
@@ -167,6 +177,25 @@ class StepLoop:
                     else:
                         self.metrics.pipeline_misses.labels(reason="late" if seq.seq_id in self.spec.late
                                                             else "wrong").inc()
+
+    def _next_suspect(self) -> Sequence | None:
+        while self._suspects and (self._suspects[0].finished or self._suspects[0] not in self.scheduler.running):
+            self._suspects.pop(0)
+        return self._suspects[0] if self._suspects else None
+
+    def _service_error(self, plan: StepPlan, only: Sequence | None, err: ServiceError) -> None:
+        """The target failed a step it could read. Resending it as is may fail forever, so each of its
+        sequences is retried alone: one that fails alone is the cause and gets an error, the rest go on.
+        Every sequence is retried at most once per failure; the target is still up."""
+        self.metrics.target_errors.inc()
+        if only is not None:
+            log.error("target failed seq %d on its own (%s): failing that request", only.seq_id, err)
+            self._suspects.remove(only)
+            self._fail(only, FinishReason.ERROR, InternalError(f"the target failed this request: {err}"))
+            return
+        seqs = [s for s, _ in plan.decodes] + [c.seq for c in plan.chunks]
+        log.warning("target failed a step (%s): retrying its %d sequences one at a time", err, len(seqs))
+        self._suspects.extend(s for s in seqs if s not in self._suspects)
 
     def _reject(self, plan: StepPlan, err: Rejected) -> None:
         """The target refused the step: a capacity mismatch preempts, a bad entry fails its request."""

@@ -23,6 +23,8 @@ class Metrics:
         self.requests = Counter("tandem:requests", "Finished requests", ["finish_reason"], registry=r)
         self.waiting = Gauge("tandem:num_requests_waiting", "Requests waiting", registry=r)
         self.running = Gauge("tandem:num_requests_running", "Sequences running", registry=r)
+        self.target_errors = Counter("tandem:target_step_errors", "Steps the target answered with an internal "
+                                     "error (their sequences are then retried one at a time)", registry=r)
         self.preemptions = Counter("tandem:num_preemptions", "Sequences preempted for recompute", registry=r)
         self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks reserved by the router",
                               ["service"], registry=r)

@@ -8,17 +8,19 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.clients import Rejected, ServiceDown
+from router.clients import NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
 from router.core import FinishReason, Sequence, ServiceUnavailable, TokenLogprob
 from router.discovery import Discovery
 from router.lanes import Lane, connect_lane, migrate, pick_draft, publish_gauges, share_draft_capacity
 from router.loop import StepLoop
 from router.metrics import Metrics
+from router.ownership import Ownership
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 GAUGE_PERIOD_S = 0.1  # queue and KV gauges: refreshed at most this often, not every step
+PROBE_PERIOD_S = 2.0  # an idle lane asks its target how it is this often (/ready must not lie while idle)
 
 
 class IncompatibleTarget(RuntimeError):
@@ -36,6 +38,7 @@ class Replicas:
         self._emit, self._finish = emit, finish
         self.lanes: dict[str, Lane] = {}
         self.target_info: common_pb2.ModelInfo | None = None  # the first target's; all must agree
+        self.ownership = Ownership(config)
         self._refresh: asyncio.Task | None = None
         self._gauges_at = 0.0
 
@@ -50,22 +53,30 @@ class Replicas:
                 raise ServiceUnavailable(f"no target reachable: {'; '.join(errors) or 'none discovered'}")
             log.info("waiting for a target ... (%s)", "; ".join(errors) or "none discovered yet")
             await asyncio.sleep(1.0)
-        if self.targets.dynamic or (self.drafts is not None and self.drafts.dynamic):
-            self._refresh = asyncio.create_task(self._refresh_loop())
+        self._refresh = asyncio.create_task(self._lease_loop())
 
     async def discover(self) -> list[str]:
-        """Add lanes for new target replicas, retire lanes whose replica left. Returns errors."""
+        """Claim replicas up to this router's share and add lanes for them; retire lanes whose
+        replica left discovery. Returns errors."""
         addresses = await self.targets.addresses()
         drafts = await self.drafts.addresses() if self.drafts else []
         errors = []
         for address in addresses:
             if address in self.lanes:
                 continue
+            if self.lanes and len(self.lanes) >= self.ownership.share(len(addresses)):
+                break  # its part is held (a claim attempt would also tell the others about this router)
+            target = TargetClient(address, self.config.target_timeout_s, self.config.target_tls, self.config.router_id)
             try:
-                lane = await connect_lane(self.config, self.metrics, address,
-                                          pick_draft(list(self.lanes.values()), drafts), self.fingerprint)
+                if not await self.ownership.claim(target):
+                    await target.close()
+                    continue
+                lane = await connect_lane(self.config, self.metrics, target,
+                                          pick_draft(list(self.lanes.values()), drafts,
+                                                     set(self.ownership.elsewhere)), self.fingerprint)
             except ServiceDown as err:
                 errors.append(f"{address}: {err}")
+                await target.close()
                 continue
             self.check(lane.info)
             self._start_lane(lane)
@@ -85,7 +96,8 @@ class Replicas:
             self.target_info = lane.info
         lane.loop = StepLoop(self.config, lane.scheduler, lane.target, lane.draft, self.metrics,
                              min(lane.info.max_model_len, self.target_info.max_model_len),
-                             self._emit, self._finish, lambda: self._lost(lane), lane.wake.set)
+                             lane.info.max_draft_tokens or self.config.k_max, self._emit, self._finish,
+                             lambda: self._lost(lane), lane.wake.set)
         self.lanes[lane.name] = lane
         share_draft_capacity(list(self.lanes.values()))
         lane.task = asyncio.create_task(self._run(lane))
@@ -105,13 +117,58 @@ class Replicas:
         await lane.draft.close()
         self.metrics.replica_up.labels(replica=lane.name, service="target").set(0)
 
-    async def _refresh_loop(self, period_s: float = 5.0) -> None:
+    async def _lease_loop(self) -> None:
+        """Every third of the lease: renew what this router holds, take its share, give up the rest."""
         while True:
-            await asyncio.sleep(period_s)
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
             try:
+                await self._renew()
                 await self.discover()
+                await self._rebalance()
             except Exception:  # noqa: BLE001 - discovery trouble must not stop serving
-                log.exception("replica discovery failed")
+                log.exception("replica discovery or lease renewal failed")
+
+    async def _renew(self) -> None:
+        for lane in [lane for lane in self.lanes.values() if lane.up and not lane.retired]:
+            try:
+                if not await self.ownership.claim(lane.target):
+                    log.error("lost the lease of target %s to %s", lane.name, self.ownership.elsewhere.get(lane.name))
+                    self._lost(lane)
+            except ServiceDown:
+                pass  # the lane's own steps and probes notice a target that is down
+        for draft in {id(lane.draft): lane.draft for lane in self.lanes.values()}.values():
+            await draft.renew()
+
+    async def _rebalance(self) -> None:
+        """Hold no more than this router's share: drain the least busy extra lane, then give it up."""
+        total = len(await self.targets.addresses())
+        active = [lane for lane in self.lanes.values() if lane.draining_since is None and not lane.retired]
+        if len(active) > self.ownership.share(total):
+            lane = min(active, key=lambda ln: len(ln.sequences()))
+            lane.draining_since = time.monotonic()
+            log.info("holding %d of %d targets with %d routers: giving %s up", len(active), total,
+                     self.ownership.routers(), lane.name)
+        for lane in [ln for ln in self.lanes.values() if ln.draining_since is not None]:
+            waited = time.monotonic() - lane.draining_since
+            if lane.scheduler.waiting or waited > 2 * self.config.lease_ttl_s:
+                self.relocate(lane)  # running ones may finish first; the queue moves now
+            if not lane.sequences():
+                await self._give_up(lane)
+
+    async def _give_up(self, lane: Lane) -> None:
+        lane.retired = True
+        del self.lanes[lane.name]
+        if lane.task:
+            lane.task.cancel()
+        await self._release(lane)
+        try:
+            await lane.target.lease(self.config.lease_ttl_s, release=True)
+        except (ServiceDown, Rejected, ServiceError, NotOwner) as err:
+            log.debug("target lease release failed: %s", err)
+        if lane.draft.client is not None and all(ln.draft is not lane.draft for ln in self.lanes.values()):
+            await lane.draft.give_up()
+        self.metrics.replica_up.labels(replica=lane.name, service="target").set(0)
+        log.info("gave target %s up to the other routers", lane.name)
 
     async def stop(self) -> None:
         if self._refresh:
@@ -160,24 +217,42 @@ class Replicas:
                 share_draft_capacity(list(self.lanes.values()))  # a draft that came up after the lane
             await self._release(lane)
             self.update_gauges()
-            if not did:
-                lane.wake.clear()
-                try:
-                    await asyncio.wait_for(lane.wake.wait(), timeout=0.05)
-                except TimeoutError:
-                    pass
+            if did:
+                lane.contact = time.monotonic()
+                continue
+            if time.monotonic() - lane.contact > PROBE_PERIOD_S:
+                await self._probe(lane)
+            lane.wake.clear()
+            try:
+                await asyncio.wait_for(lane.wake.wait(), timeout=0.05)
+            except TimeoutError:
+                pass
+
+    async def _probe(self, lane: Lane) -> None:
+        lane.contact = time.monotonic()
+        try:
+            await lane.target.info(timeout_s=1.0)
+        except ServiceDown as err:
+            log.error("target replica %s does not answer: %s", lane.name, err)
+            self._lost(lane)
+        except Rejected:
+            pass
 
     async def _recover(self, lane: Lane) -> None:
         try:
+            if not await self.ownership.claim(lane.target):
+                raise NotOwner(self.ownership.elsewhere.get(lane.name, ""))
             info = await lane.target.info(timeout_s=2.0)
             self.check(info)
-        except (ServiceDown, Rejected, IncompatibleTarget) as err:
+        except (ServiceDown, Rejected, ServiceError, NotOwner, IncompatibleTarget) as err:
             self.relocate(lane)  # requests that arrived meanwhile, when another replica can take them
             waited = time.monotonic() - lane.down_since
             for seq in lane.sequences():
                 if min(waited, time.monotonic() - seq.arrival) > self.config.target_grace_s:
+                    log.error("failing seq %d: target %s unreachable for %.0fs: %s", seq.seq_id, lane.name, waited, err)
                     self._finish(seq, FinishReason.ERROR, ServiceUnavailable(
-                        f"target unavailable for {waited:.0f}s (grace {self.config.target_grace_s:.0f}s): {err}"))
+                        f"the model service was unavailable for {waited:.0f}s "
+                        f"(grace {self.config.target_grace_s:.0f}s)"))
             self.update_gauges(force=True)
             await asyncio.sleep(0.5)
             return

@@ -62,8 +62,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: RouterConfig, target: CacheGeometry, draft: CacheGeometry | None,
-                 prefix: PrefixCaches | None = None) -> None:
+                 budget: int = 0, prefix: PrefixCaches | None = None) -> None:
         self.config = config
+        self.budget = budget or config.max_num_batched_tokens  # tokens per step (clamped to the target's limit)
         self.target = target
         self.draft = draft
         self.prefix = prefix
@@ -140,10 +141,10 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, choose_ks: Callable[[list[Sequence], int], list[int]],
-                 decode_ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
+                 decode_ready: Callable[[Sequence], bool] = lambda s: True, only: Sequence | None = None) -> StepPlan:
         """Build the next step. choose_ks(decoders, prefill_tokens) -> k per decoder (capped later
         by the budget); decode_ready(seq) False keeps a decoder out of this step (it waits for
-        its proposal while other work runs)."""
+        its proposal while other work runs); `only`: a step of that one sequence (isolating a fault)."""
         plan = StepPlan()
         if self.prefix is not None:
             for seq in self.running:
@@ -152,8 +153,9 @@ class Scheduler:
         self._admit()
         if self.prefix is not None:
             self._replan_lost()
-        budget = self.config.max_num_batched_tokens
-        prefilling = [s for s in self.running if s.prefilling]
+        budget = self.budget
+        running = self.running if only is None else [s for s in self.running if s is only]
+        prefilling = [s for s in running if s.prefilling]
         if prefilling and not self.config.chunked_prefill:
             # prefill-first: whole prompts, no decodes, as many as the budget allows (at least one)
             for seq in prefilling:
@@ -162,7 +164,7 @@ class Scheduler:
                     break
                 plan.chunks.append(self._chunk(seq, len(seq.tokens)))
             return plan
-        decoders = [s for s in self.running if not s.prefilling and decode_ready(s)]
+        decoders = [s for s in running if not s.prefilling and decode_ready(s)]
         budget -= len(decoders)  # every decode costs at least its one token
         assert budget >= 0, "max_num_seqs <= max_num_batched_tokens guarantees room for every decode"
         prefill_tokens = min(budget, sum(len(s.tokens) - s.target_cached for s in prefilling))

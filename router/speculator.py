@@ -18,8 +18,10 @@ Proposal = tuple[list[int], list[common_pb2.SparseDist]]
 
 
 class Speculator:
-    def __init__(self, config: RouterConfig, scheduler: Scheduler, draft: DraftLane, max_model_len: int) -> None:
+    def __init__(self, config: RouterConfig, scheduler: Scheduler, draft: DraftLane, max_model_len: int,
+                 target_max_k: int) -> None:
         self.config = config
+        self.k_max = min(config.k_max, target_max_k)  # the target's limit clamps the router's (lanes.py logs it)
         self.scheduler = scheduler
         self.draft = draft
         self.max_model_len = max_model_len
@@ -33,9 +35,9 @@ class Speculator:
     # ---- k and proposals ------------------------------------------------------------------------
     def cap(self, seq: Sequence) -> int:
         """Largest k this sequence may use now (0: plain decoding)."""
-        if not self.draft.up or self.config.k_max == 0:
+        if not self.draft.up or self.k_max == 0:
             return 0
-        cap = min(self.config.k_max, self.draft.max_k)
+        cap = min(self.k_max, self.draft.max_k)
         if seq.request.max_speculative_tokens is not None:
             cap = min(cap, seq.request.max_speculative_tokens)
         limit = min(self.max_model_len, self.draft.info.max_model_len if self.draft.info else 0)

@@ -30,6 +30,7 @@ def build_parser(prog: str = "python -m target_service") -> argparse.ArgumentPar
                         help="split the model over N ranks (N GPUs: cuda:0..N-1 with NCCL; on CPU, gloo). "
                              "This process is rank 0 and serves gRPC; it starts ranks 1..N-1 itself. "
                              "Heads, KV heads and intermediate_size must divide by N. --kv-cache-gib is per rank")
+    parser.add_argument("--fail-on-token", type=int, default=-1, help=argparse.SUPPRESS)  # fault injection (tests)
     return env_settable(parser)
 
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
 
 
 def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport) -> int:
-    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens)
+    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.fail_on_token)
     tp = runner.tp if runner.tp is not SINGLE else None
     log.info("target %s: max_draft_tokens %d%s", servicer.worker.model_id, args.max_draft_tokens,
              f"; tensor parallel over {tp.size} ranks" if tp else "")

@@ -43,8 +43,9 @@ class _Entry:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, worker: ModelWorker) -> None:
+    def __init__(self, worker: ModelWorker, fail_on_token: int = -1) -> None:
         self.worker = worker
+        self.fail_on_token = fail_on_token  # fault injection for tests: a Step starting a sequence with it fails
         self.runner: ModelRunner = worker.runner
 
     # ---- RPCs -----------------------------------------------------------------------------
@@ -55,18 +56,28 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     async def Step(self, request: target_pb2.StepRequest, context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
+        self.worker.lease.check(context)
         return await self.worker.run(self.step, request, call_deadline(context))
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
+        self.worker.lease.check(context)
         free = await self.worker.run(self.worker.release, list(request.seq_ids))
         return common_pb2.ReleaseResponse(free_blocks=free)
+
+    @rpc_errors
+    async def Lease(self, request: common_pb2.LeaseRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.LeaseResponse:
+        return await self.worker.lease_rpc(request)
 
     # ---- the step (model thread) ----------------------------------------------------------
     @torch.inference_mode()
     def step(self, request: target_pb2.StepRequest, deadline: float | None = None) -> target_pb2.StepResponse:
         entries = self.parse(request)
+        if self.fail_on_token >= 0 and any(e.seq.start_pos == 0 and e.seq.tokens[0] == self.fail_on_token
+                                           for e in entries):
+            raise RuntimeError(f"injected fault: a sequence starts with token {self.fail_on_token}")
         still_wanted(deadline)
         t0 = time.perf_counter()
         runner = self.runner
@@ -195,8 +206,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return dists
 
 
-def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8) -> TargetServicer:
-    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens))
+def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
+                    fail_on_token: int = -1) -> TargetServicer:
+    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens), fail_on_token)
 
 
 def register(server: grpc.aio.Server, servicer: TargetServicer) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +30,11 @@ REALISTIC_STEP_S = 0.015
 
 
 def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_size: int = 16,
-                 step_delay_s: float = 0.0, transport: Transport | None = None) -> tuple[RunningServer, ModelRunner]:
-    runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu"))
-    servicer = target_server.create_servicer(runner)
+                 step_delay_s: float = 0.0, transport: Transport | None = None, fail_on_token: int = -1,
+                 max_batch_tokens: int = 2048) -> tuple[RunningServer, ModelRunner]:
+    runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu",
+                                                      max_batch_tokens=max_batch_tokens))
+    servicer = target_server.create_servicer(runner, fail_on_token=fail_on_token)
     if step_delay_s:
         step = servicer.Step
 
@@ -45,10 +47,13 @@ def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_si
                         transport=transport), runner
 
 
-def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0,
-                transport: Transport | None = None) -> tuple[RunningServer, ModelRunner]:
+def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0, transport: Transport | None = None,
+                alter: Callable[[draft_server.DraftServicer], None] | None = None) -> tuple[RunningServer, ModelRunner]:
+    """alter: changes the servicer before it serves (a test's misbehaving draft)."""
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=16, device="cpu"))
     servicer = draft_server.create_servicer(runner)
+    if alter is not None:
+        alter(servicer)
     return start_server(lambda s: draft_server.register(s, servicer), draft_server.SERVICE_NAME, port,
                         transport=transport), runner
 

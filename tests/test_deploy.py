@@ -459,7 +459,11 @@ def test_autoscalers(rendered):
         assert (ref["kind"], ref["name"]) == ("Deployment", deps[comp]["metadata"]["name"])
         assert 1 <= hpa["spec"].get("minReplicas", 1) <= hpa["spec"]["maxReplicas"]
         assert "replicas" not in deps[comp]["spec"], f"Deployment {comp}: `replicas` fights its HPA on every apply"
-    router_metrics = one(objs, "HorizontalPodAutoscaler", "router")["spec"]["metrics"]
+    router_hpa = one(objs, "HorizontalPodAutoscaler", "router")["spec"]
+    assert router_hpa["minReplicas"] >= 2, "no single front door: routers share replicas through their leases"
+    router_args = parse_container(main_container(deps["router"]), objs)[1]
+    assert router_args.lease_ttl >= 3, "a lease renewed every third of it must survive a GC pause"
+    router_metrics = router_hpa["metrics"]
     assert [(m["type"], m["resource"]["name"]) for m in router_metrics] == [("Resource", "cpu")]
     (metric,) = one(objs, "HorizontalPodAutoscaler", "target")["spec"]["metrics"]
     if name == "cpu":

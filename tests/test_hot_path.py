@@ -65,9 +65,13 @@ def run(url: str, with_huge: bool) -> tuple[list[float], list[httpx.Response]]:
 def test_huge_bodies_and_prompts_do_not_stall_other_streams(stack):
     url = stack["router"].url
     run(url, with_huge=False)  # warm-up
-    quiet, _ = run(url, with_huge=False)
-    busy, refused = run(url, with_huge=True)
-    assert [r.status_code for r in refused] == [413, 400]
-    assert "max_model_len" in refused[1].json()["error"]["message"]
-    p99_quiet, p99_busy = np.percentile(quiet, 99), np.percentile(busy, 99)
-    assert p99_busy <= 2 * p99_quiet, f"ITL p99 {1000 * p99_busy:.1f} ms with huge requests vs {1000 * p99_quiet:.1f}"
+    p99 = {False: [], True: []}
+    for _ in range(2):  # interleaved, best of two: the shared machine's own noise hits both alike
+        for with_huge in (False, True):
+            gaps, refused = run(url, with_huge)
+            p99[with_huge].append(np.percentile(gaps, 99))
+            if with_huge:
+                assert [r.status_code for r in refused] == [413, 400]
+                assert "max_model_len" in refused[1].json()["error"]["message"]
+    quiet, busy = min(p99[False]), min(p99[True])
+    assert busy <= 2 * quiet, f"ITL p99 {1000 * busy:.1f} ms with huge requests vs {1000 * quiet:.1f} ms without"

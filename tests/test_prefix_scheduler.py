@@ -92,7 +92,7 @@ class ChatSim:
         self.metrics = Metrics(config.k_max)
         m = self.metrics
         prefix = PrefixCaches(target.block_size, m.prefix_queries, m.prefix_hits, m.prefix_misses) if caching else None
-        self.scheduler = Scheduler(config, target, None, prefix)
+        self.scheduler = Scheduler(config, target, None, prefix=prefix)
         self.geometry = target
         self.service = CachingTarget(target)
         self.plans: list[StepPlan] = []

@@ -309,7 +309,9 @@ def test_chat_with_template_router(stack, tmp_path):
     if isinstance(prompt, dict):
         prompt = prompt["input_ids"]
     assert prompt[0] == 0 and 1 in prompt  # <s> and </s> became their special ids
-    router = start_router(RouterConfig(), stack["parts"]["target"].address, None, tok_dir)
+    # a second router on the stack's target: with the first one's identity (the lease holder's)
+    same = RouterConfig(router_id=stack["router"].server.config.router_id)
+    router = start_router(same, stack["parts"]["target"].address, None, tok_dir)
     try:
         r = post(router.url, "/v1/chat/completions", messages=msgs, max_tokens=8)
         assert r.status_code == 200, r.text
@@ -472,8 +474,9 @@ def test_overload_gets_429_and_the_rest_succeed(stack):
     """max_num_seqs=1, max_waiting=1: of simultaneous long requests one runs, one waits, the rest
     are refused with 429 (HTTP) or RESOURCE_EXHAUSTED (gRPC); every admitted one is exact."""
     target_dir = stack["dirs"][0]
-    router = start_router(RouterConfig(max_num_seqs=1, max_waiting=1), stack["parts"]["target"].address, None,
-                          target_dir)
+    owner = stack["router"].server.config.router_id  # the lease holder's identity: same target, second router
+    router = start_router(RouterConfig(max_num_seqs=1, max_waiting=1, router_id=owner),
+                          stack["parts"]["target"].address, None, target_dir)
     want = hf_greedy(target_dir, IDS_PROMPT, 60)
     barrier = threading.Barrier(6)
 
