@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS := tandem/v1/.generated
 
-.PHONY: help install proto lint test e2e-test chaos run bench deploy image image-cuda gpu-check clean
+.PHONY: help install proto lint test e2e-test chaos run bench bench-multiturn deploy image image-cuda gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -56,6 +56,10 @@ run: $(STUBS) models  ## build the models if absent, start target + draft + rout
 
 bench: $(STUBS) models  ## latency/throughput of every config vs transformers (~12-20 min; BENCH_ARGS=--quick: ~3)
 	$(PY) -m bench $(BENCH_ARGS)
+
+MULTITURN_MODELS ?= models/demo
+bench-multiturn: $(STUBS)  ## multi-turn chat with and without prefix caching (MULTITURN_MODELS=models/tiny: ~3 min; MULTITURN_ARGS=--quick)
+	$(PY) -m bench.multiturn --models $(MULTITURN_MODELS) $(MULTITURN_ARGS)
 
 gpu-check: $(STUBS)  ## on a CUDA machine: GPU parity, sampling, CUDA graphs, quick bench -> gpu-check-report.md (<= 8 min; no GPU: says so, exits 0)
 	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
