@@ -75,9 +75,6 @@ class PrefixMirror:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._held: dict[int, list[int]] = {}  # seq_id -> leading blocks of its history the service holds
 
-    def __len__(self) -> int:
-        return len(self._refs) + len(self._lru)
-
     def match(self, hashes: Seq[int]) -> int:
         n = 0
         while n < len(hashes) and (hashes[n] in self._refs or hashes[n] in self._lru):
