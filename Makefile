@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS := tandem/v1/.generated
 
-.PHONY: help install proto lint test e2e-test chaos run bench deploy image image-cuda gpu-check clean
+.PHONY: help install proto lint test e2e-test chaos run bench bench-multiturn deploy image image-cuda gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -57,6 +57,10 @@ run: $(STUBS) models-demo  ## build the models if absent, start target + draft +
 # Pairs are not built here: the harness measures the pairs present and says how to build a missing one.
 bench: $(STUBS)  ## every config vs transformers, demo + SmolLM2 pairs, shared + two-device modes (~65-70 min; BENCH_ARGS=--quick: ~9)
 	$(PY) -m bench $(BENCH_ARGS)
+
+MULTITURN_MODELS ?= models/demo
+bench-multiturn: $(STUBS)  ## multi-turn chat with and without prefix caching (MULTITURN_MODELS=models/tiny: ~3 min; MULTITURN_ARGS=--quick)
+	$(PY) -m bench.multiturn --models $(MULTITURN_MODELS) $(MULTITURN_ARGS)
 
 gpu-check: $(STUBS)  ## on a CUDA machine: GPU parity, sampling, CUDA graphs, quick bench -> gpu-check-report.md (<= 8 min; no GPU: says so, exits 0)
 	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)

@@ -17,6 +17,8 @@ in flight: "d_1..d_j accepted, then token x", x the draft's rank-th favourite at
 
 Forks share the sequence's KV blocks and are freed when the call ends; only round 0's tokens (and a
 plain continuation's drafts) stay cached. Forwards per call: 1 + max(k) at most, never a sum.
+Round 0's tokens but the drafts under verification are history: their full blocks are published for
+prefix caching (engine/prefix_cache.py); drafts and branches never are.
 Everything is validated before the first forward, capacity included, so an invalid request
 changes no cache and a valid one never fails halfway.
 """
@@ -64,6 +66,7 @@ class DraftRequest:
     grammar: str = ""  # structured output: the sequence's grammar (with its start_pos 0 entries)
     prompt_len: int = 0
     fork_of: int = 0  # n choices: start as a fork of this sequence's first start_pos tokens
+    prefix: Sequence[int] = ()  # hashes of published blocks to start from (start_pos = their length)
 
     @property
     def end(self) -> int:
@@ -171,9 +174,15 @@ class Proposer:
                 fork_len = q.end - q.num_verifying + branch.accepted
                 fork_blocks += blocks_for(fork_len + q.k, r.blocks.block_size) - fork_len // r.blocks.block_size
             forks += len(q.branches)
+            if q.prefix and q.start_pos != len(q.prefix) * r.blocks.block_size:
+                raise InvalidInput(f"{at}.prefix_block_hashes", f"{len(q.prefix)} blocks of {r.blocks.block_size} "
+                                                                f"tokens must end at start_pos {q.start_pos}")
             needs_history = bool(q.grammar) or q.processors is not None or q.seq_id in self.constraints.states
             if not self.constraints.check(q.seq_id, q.start_pos, q.grammar, needs_history, at):
                 missing.append(q.seq_id)
+            elif q.prefix:
+                if not r.prefix.holds(q.prefix):
+                    missing.append(q.seq_id)
             elif q.start_pos > r.cached_len(q.seq_id):
                 if q.fork_of and q.fork_of != q.seq_id and r.cached_len(q.fork_of) >= q.start_pos:
                     fork_blocks += 1 if q.start_pos % r.blocks.block_size else 0
@@ -186,16 +195,19 @@ class Proposer:
         if missing:
             raise CacheMiss(missing)
         resize = {q.seq_id: (q.start_pos, q.final_len) for q in items}
-        r.blocks.check_capacity(resize, extra=fork_blocks)
+        r.blocks.check_capacity(resize, extra=fork_blocks, attach={q.seq_id: q.prefix for q in items if q.prefix})
 
     # ---- work ------------------------------------------------------------------------------
     def sync(self, chunks: Sequence[SeqInput]) -> list[int]:
         """Cache position-addressed chunks of many sequences in one forward; cached_len per chunk."""
-        self._check([DraftRequest(c.seq_id, c.start_pos, c.tokens, 0) for c in chunks], "chunks")
+        self._check([DraftRequest(c.seq_id, c.start_pos, c.tokens, 0, prefix=c.prefix) for c in chunks], "chunks")
         for c in chunks:
             if (state := self.constraints.states.get(c.seq_id)) is not None:
                 self.constraints.begin(c.seq_id, c.start_pos, c.tokens, state.processors, "", state.prompt_len)
-        self.runner.forward([SeqInput(c.seq_id, c.start_pos, c.tokens, num_logits=0) for c in chunks])
+        self.runner.forward([SeqInput(c.seq_id, c.start_pos, c.tokens, num_logits=0, prefix=c.prefix)
+                             for c in chunks])
+        for c in chunks:
+            self.runner.commit(c.seq_id, c.start_pos + len(c.tokens))
         return [self.runner.cached_len(c.seq_id) for c in chunks]
 
     def propose(self, requests: Sequence[DraftRequest]) -> Proposals:
@@ -209,8 +221,10 @@ class Proposer:
             self.constraints.begin(q.seq_id, q.start_pos, q.tokens, q.processors, q.grammar, q.prompt_len)
         results = [DraftResult(q.seq_id) for q in requests]
         wanted = [(q.num_verifying + 1 if q.branches else 1) if q.k else 0 for q in requests]
-        logits = self.runner.forward([SeqInput(q.seq_id, q.start_pos, q.tokens, num_logits=n)
+        logits = self.runner.forward([SeqInput(q.seq_id, q.start_pos, q.tokens, num_logits=n, prefix=q.prefix)
                                       for q, n in zip(requests, wanted, strict=True)])
+        for q in requests:
+            self.runner.commit(q.seq_id, q.end - q.num_verifying)
         forwards, forks, rows, first = 1, [], [], []
         for q, res, rows_logits in zip(requests, results, logits, strict=True):
             if q.k == 0:

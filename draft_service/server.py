@@ -59,7 +59,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     # ---- on the model thread -----------------------------------------------------------------
     def _sync(self, request: draft_pb2.SyncRequest, deadline: float | None) -> draft_pb2.SyncResponse:
         still_wanted(deadline)
-        chunks = [SeqInput(c.seq_id, c.start_pos, list(c.tokens), num_logits=0) for c in request.chunks]
+        chunks = [SeqInput(c.seq_id, c.start_pos, list(c.tokens), num_logits=0, prefix=list(c.prefix_block_hashes))
+                  for c in request.chunks]
         cached = self.proposer.sync(chunks)
         return draft_pb2.SyncResponse(cached_len=cached, free_blocks=self.worker.runner.blocks.num_free)
 
@@ -69,7 +70,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k,
                          sampling_spec(e.sampling, f"entries[{n}].sampling"), e.num_verifying,
                          [BranchSpec(b.accepted, b.rank) for b in e.branches],
-                         _processors(e, f"entries[{n}].sampling"), e.grammar, e.prompt_len, e.fork_of)
+                         _processors(e, f"entries[{n}].sampling"), e.grammar, e.prompt_len, e.fork_of,
+                         list(e.prefix_block_hashes))
             for n, e in enumerate(request.entries)
         ]
         out = self.proposer.propose(requests)

@@ -137,6 +137,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     cuda_graph_max_batch: int = 64  # sequences in the largest captured decode/verify batch
     cuda_graph_max_query: int = 9  # tokens per sequence in it: k_max + 1
+    prefix_caching: bool = True  # publish final full blocks by content hash; keep released ones cached (LRU)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:

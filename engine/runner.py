@@ -2,8 +2,9 @@
 
 Each SeqInput says "the KV cache of seq_id must end at start_pos; these tokens follow".
 The runner trims anything cached past start_pos, appends the tokens and returns logits for
-the last `num_logits` of them. Everything is validated before the first byte changes, so a
-rejected batch leaves every sequence's cache as it was.
+the last `num_logits` of them. An input naming a `prefix` (content hashes of cached blocks)
+starts from those blocks instead of what the sequence held. Everything is validated before the
+first byte changes, so a rejected batch leaves every sequence's cache as it was.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from engine.cuda_graphs import GraphRunner
 from engine.kv_cache import BlockManager, PagedKVCache
 from engine.model import CausalLM, ForwardContext
 from engine.parallel import SINGLE, TensorParallel, check_shardable
+from engine.prefix_cache import PrefixCache
 from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class SeqInput:
     start_pos: int
     tokens: Sequence[int]
     num_logits: int = 1  # logits for the last num_logits tokens (0: none, a non-final prompt chunk)
+    prefix: Sequence[int] = ()  # hashes of published blocks to start from (start_pos = their length)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class FlatBatch:
     block_tables: list[list[int]]  # [B][W], padded with 0
     start_positions: list[int]  # [B]
     query_lens: list[int]  # [B]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy first
 
 
 class CacheMiss(LookupError):
@@ -76,7 +80,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.blocks = BlockManager(config.num_blocks, config.block_size, caching=config.prefix_caching)
+        self.prefix = PrefixCache(self.blocks)
         self.kv_cache = PagedKVCache(mc.num_layers, config.num_blocks, config.block_size,
                                      mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device)
         self.backend = select_backend(config.attention_backend, self.device, self.dtype, mc.head_dim**-0.5,
@@ -131,16 +136,24 @@ class ModelRunner:
     def trim(self, seq_id: int, length: int) -> None:
         """Forget cached tokens at positions >= length (drafts the target rejected)."""
         self.blocks.trim(seq_id, length)
+        self.prefix.trim(seq_id, length)
+
+    def commit(self, seq_id: int, length: int) -> None:
+        """Positions < length are final (never trimmed away by the caller): their full blocks are
+        published for other sequences to attach."""
+        self.prefix.commit(seq_id, length)
 
     def fork(self, parent: int, child: int, length: int) -> None:
         """child := parent's first `length` cached tokens, sharing their KV blocks (a branch)."""
         copy = self.blocks.fork(parent, child, length)
+        self.prefix.fork(parent, child, length)
         if copy is not None:
             self.kv_cache.copy_block(*copy)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self.blocks.free(seq_id)
+            self.prefix.free(seq_id)
 
     # ---- validation (no side effects) ----------------------------------------------------
     def validate(self, inputs: Sequence[SeqInput]) -> None:
@@ -164,14 +177,19 @@ class ModelRunner:
                                    f"{x.start_pos} + {len(x.tokens)} tokens exceeds max_model_len {self.max_model_len}")
             if min(x.tokens) < 0 or max(x.tokens) >= vocab:
                 raise InvalidInput(f"{where}.tokens", f"token id outside [0, {vocab})")
-            if x.start_pos > self.blocks.length(x.seq_id):
+            if x.prefix and x.start_pos != len(x.prefix) * self.config.block_size:
+                raise InvalidInput(f"{where}.prefix_block_hashes", f"{len(x.prefix)} blocks of "
+                                   f"{self.config.block_size} tokens must end at start_pos {x.start_pos}")
+            held = self.prefix.holds(x.prefix) if x.prefix else x.start_pos <= self.blocks.length(x.seq_id)
+            if not held:
                 missing.append(x.seq_id)
             total += len(x.tokens)
         if total > self.config.max_batch_tokens:
             raise InvalidInput("entries", f"{total} tokens exceed max_batch_tokens {self.config.max_batch_tokens}")
         if missing:
             raise CacheMiss(missing)
-        self.blocks.check_capacity({x.seq_id: (x.start_pos, x.start_pos + len(x.tokens)) for x in inputs})
+        self.blocks.check_capacity({x.seq_id: (x.start_pos, x.start_pos + len(x.tokens)) for x in inputs},
+                                   attach={x.seq_id: x.prefix for x in inputs if x.prefix})
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -184,25 +202,34 @@ class ModelRunner:
         return list(logits.split([x.num_logits for x in inputs]))
 
     def prepare(self, inputs: Sequence[SeqInput]) -> FlatBatch:
-        """Trim and grow each sequence's blocks (validated already) and flatten the batch."""
+        """Attach, trim and grow each sequence's blocks (validated already) and flatten the batch.
+        Attaches come first (no allocation can evict what they take), trims before appends (the
+        capacity check counted the blocks trims free)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
         for x in inputs:
-            self.blocks.trim(x.seq_id, x.start_pos)
+            if x.prefix:
+                self.prefix.attach(x.seq_id, x.prefix)
+        for x in inputs:
+            self.trim(x.seq_id, x.start_pos)
+        for x in inputs:
             offset = len(ids)
             ids.extend(x.tokens)
             positions.extend(range(x.start_pos, x.start_pos + len(x.tokens)))
             slots.extend(self.blocks.append(x.seq_id, len(x.tokens)))
+            self.prefix.extend(x.seq_id, x.tokens)
             logits_indices.extend(range(offset + len(x.tokens) - x.num_logits, offset + len(x.tokens)))
         tables = [self.blocks.block_table(x.seq_id) for x in inputs]
         width = max(len(t) for t in tables)
         return FlatBatch(ids, positions, slots, logits_indices, [t + [0] * (width - len(t)) for t in tables],
-                         [x.start_pos for x in inputs], [len(x.tokens) for x in inputs])
+                         [x.start_pos for x in inputs], [len(x.tokens) for x in inputs], self.blocks.take_copies())
 
     def execute(self, batch: FlatBatch) -> torch.Tensor:
         """Run the model over a flattened batch: logits on the leader, an empty tensor on followers."""
+        for src, dst in batch.copies:  # copy-on-write: before the forward writes into dst
+            self.kv_cache.copy_block(src, dst)
         if self.graphs is not None and (shape := self.graphs.shape_for(batch)) is not None:
             self.forward_calls += 1
             return self.graphs.run(batch, shape)

@@ -64,6 +64,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash"],
                         help="auto = flash-attn on CUDA with float16/bfloat16 when it imports, else PyTorch SDPA")
     parser.add_argument("--max-draft-tokens", type=int, default=8, help="largest k per sequence per call")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not keep final KV blocks by content hash for reuse by later sequences (default: "
+                             "kept, and evicted least recently used first when space is needed)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs (by default, on CUDA, decode/verify steps replay graphs captured "
                              "per batch-size bucket at start-up)")
@@ -101,7 +104,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len, max_batch_tokens=args.max_batch_tokens,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,
-                        cuda_graph_max_query=max(1, args.max_draft_tokens + 1))
+                        cuda_graph_max_query=max(1, args.max_draft_tokens + 1),
+                        prefix_caching=not getattr(args, "no_prefix_caching", False))
 
 
 def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -119,8 +123,9 @@ def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
         torch.set_num_threads(args.threads)
     runner = ModelRunner.load(args.model, config or checked_engine_config(args), tp)
     cfg = runner.config
-    log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; backend %s; dtype %s; device %s; %s",
-             cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size, runner.max_model_len,
+    log.info("KV cache: %d blocks x %d tokens = %d tokens%s; max_model_len %d; backend %s; dtype %s; device %s; %s",
+             cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size,
+             ", prefix caching" if cfg.prefix_caching else "", runner.max_model_len,
              runner.backend.name, runner.dtype, runner.device,
              "CUDA graphs" if runner.graphs is not None else "eager")
     return runner
@@ -159,6 +164,7 @@ class ModelWorker:
             dtype=str(r.dtype).removeprefix("torch."), device=str(r.device), attention_backend=r.backend.name,
             max_draft_tokens=self.max_draft_tokens, max_batch_tokens=r.config.max_batch_tokens,
             eos_token_ids=self.eos_ids, num_sequences=r.blocks.num_sequences, compute_id=self.compute_id,
+            prefix_caching=r.blocks.caching,
         )
 
     def release(self, seq_ids: list[int]) -> int:

@@ -59,6 +59,9 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
                    help="never speculate with prompt lookup (by default a sequence the draft has no proposal for, "
                         "or every sequence when there is no draft, proposes what followed its last 2-4 tokens "
                         "earlier in its own history: vLLM's ngram speculation)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (default: sequences start from the KV blocks of their longest "
+                        "prefix cached by each service, e.g. the earlier turns of a conversation)")
     p.add_argument("--target-timeout", type=float, default=d.target_timeout_s, help="deadline of one Step (s)")
     p.add_argument("--draft-timeout", type=float, default=d.draft_timeout_s,
                    help="deadline of one draft call (s); past it the affected sequences run with k = 0")
@@ -82,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         k_max=args.num_speculative_tokens,
         dynamic_k=not args.no_dynamic_k, pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
         prompt_lookup=not args.no_prompt_lookup,
+        prefix_caching=not args.no_prefix_caching,
         target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace,
         lease_ttl_s=args.lease_ttl)
 

@@ -24,6 +24,7 @@ class RouterConfig:
     pipeline: bool = True  # draft proposes step t+1 while the target scores step t
     chunked_prefill: bool = True  # slice prompts into the budget; else whole prompts first
     prompt_lookup: bool = True  # where the draft has no proposal (or there is no draft), guess from the history
+    prefix_caching: bool = True  # start sequences from the services' cached prefix blocks (router.prefix)
     target_timeout_s: float = 60.0  # deadline of one Step
     draft_timeout_s: float = 5.0  # deadline of one Sync / Propose; past it the step goes on with k = 0
     target_grace_s: float = 30.0  # how long requests wait for a lost target before failing with 503

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from common.sampling import InvalidField, SamplingParams
 from router.lookup import PromptLookup
+from router.prefix import SeqPrefix
 from router.request_stats import RequestStats
 from router.spec_policy import AcceptanceTracker
 from router.speculation import Prepared
@@ -122,6 +123,7 @@ class Sequence:
     prepared: list[Prepared] = field(default_factory=list)
     cache_epoch: int = 0  # bumped whenever the caches are dropped: late draft results for an old epoch are void
     outcome_start: int = -1  # history length before the last verification: its branches start there
+    prefix: SeqPrefix = field(default_factory=SeqPrefix)  # cached prefixes it attaches (router.prefix)
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of the draft's proposals
     lookup_tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of prompt-lookup proposals
     lookup: PromptLookup = field(default_factory=PromptLookup)  # n-grams of the history (prompt lookup)
@@ -159,5 +161,6 @@ class Sequence:
         self.target_cached = self.draft_cached = 0
         self.draft_stream = []
         self.prepared = []
+        self.prefix.reset()
         self.cache_epoch += 1
         self.stats.queued()  # the callers put it back in a queue

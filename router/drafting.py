@@ -10,6 +10,10 @@ token before the drafts under verification (the branches fork from their logits)
     base S:       t0 t1 t2 t3 x  e1 e2       (x: the target's token; e1 e2 being verified now)
     call:         start_pos = 4, tokens = [x, e1, e2], num_verifying = 2, branches = [(j, rank), ...]
 
+A sequence starting at the draft with a cached prefix (router.prefix) holds it on paper already
+(draft_stream = the prefix): its first entry starts after it and names its blocks, so the prompt
+mirroring skips what the draft has cached.
+
 The draft is optional: any failure of a call means k = 0 for the sequences it carried and, when
 the service is unreachable, a reconnect loop with backoff takes over. Releases made while it is
 down are kept and sent when it is back, so its KV never leaks.
@@ -82,15 +86,19 @@ class DraftWork:
         tokens = base[start:]
         if not tokens:
             return True
-        if len(tokens) > CATCH_UP_IN_PROPOSE and k:  # far behind: catch up now, propose next time
-            tokens, k, v, branches = tokens[:CATCH_UP_IN_PROPOSE], 0, 0, []
+        a = seq.prefix.draft
+        attach = a.hashes if a is not None and not a.confirmed and seq.draft_cached == a.tokens else ()
+        assert not attach or start == a.tokens, "a cached prefix is attached before anything follows it"
+        if len(tokens) > CATCH_UP_IN_PROPOSE and k:  # far behind: catch up now (history only), propose next time
+            tokens, k, v, branches = tokens[:min(CATCH_UP_IN_PROPOSE, len(tokens) - v)], 0, 0, []
             base = base[: start + len(tokens)]
         if self.tokens + len(tokens) > budget or self.branches + len(branches) > budget:
             return False
         self.entries.append(draft_pb2.ProposeEntry(
             seq_id=seq.seq_id, start_pos=start, tokens=tokens, k=k, sampling=sampling, num_verifying=v,
             branches=[draft_pb2.Branch(accepted=j, rank=r) for j, r in branches], prompt_len=seq.num_prompt,
-            grammar=seq.request.grammar if start == 0 else "", fork_of=fork_of))
+            grammar=seq.request.grammar if start == 0 else "", fork_of=fork_of,
+            prefix_block_hashes=attach))
         self.seqs.append(seq)
         self.bases.append(base)
         self.epochs.append(seq.cache_epoch)
@@ -227,6 +235,7 @@ class DraftLane:
         self.metrics.draft_fallbacks.labels(reason=reason).inc()
         for seq in seqs:
             seq.draft_cached, seq.draft_stream = 0, []
+            seq.prefix.draft_dropped, seq.prefix.draft_committed = True, 0
 
     def _apply(self, work: DraftWork, response: draft_pb2.ProposeResponse) -> None:
         assert len(response.proposals) == len(work.entries), "one proposal per entry"
@@ -239,7 +248,7 @@ class DraftLane:
             seq.draft_cached = prop.cached_len
             assert prop.cached_len == len(seq.draft_stream), "draft cached_len disagrees with the router"
             v = entry.num_verifying
-            history_len = len(base) - v
+            history_len = seq.prefix.draft_committed = len(base) - v  # the draft published its full blocks
             if plain:
                 seq.prepared.append(Prepared(len(base), (), tuple(plain), tuple(prop.probs)))
             verifying = tuple(base[history_len:])

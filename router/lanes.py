@@ -21,6 +21,7 @@ from router.core import SeqStatus, Sequence
 from router.drafting import DraftLane
 from router.loop import StepLoop
 from router.metrics import Metrics
+from router.prefix import PrefixCaches
 from router.scheduler import CacheGeometry, Scheduler
 from tandem.v1 import common_pb2
 
@@ -77,6 +78,8 @@ def share_draft_capacity(lanes: list[Lane]) -> None:
         info = lane.draft.info
         if info is not None:
             lane.scheduler.draft = CacheGeometry(info.free_blocks // users[lane.draft_address], info.block_size)
+            if lane.scheduler.prefix is not None:
+                lane.scheduler.prefix.use_draft(info.block_size if info.prefix_caching else None)
 
 
 def choose_lane(lanes: list[Lane], exclude: Lane | None = None) -> Lane | None:
@@ -128,7 +131,9 @@ async def connect_lane(config: RouterConfig, metrics: Metrics, target: TargetCli
     if config.k_max > info.max_draft_tokens:
         log.warning("target %s verifies at most %d draft tokens per sequence: --num-speculative-tokens %d is clamped "
                     "to it for this replica", address, info.max_draft_tokens, config.k_max)
-    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None, budget)
+    prefix = PrefixCaches(info.block_size, metrics.prefix_queries, metrics.prefix_hits, metrics.prefix_misses) \
+        if config.prefix_caching and info.prefix_caching else None
+    scheduler = Scheduler(config, CacheGeometry(info.free_blocks, info.block_size), None, budget, prefix)
     return Lane(target=target, draft=draft, info=info, scheduler=scheduler, down_since=time.monotonic())
 
 

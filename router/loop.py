@@ -141,6 +141,7 @@ class StepLoop:
             entries.append(target_pb2.StepEntry(
                 seq_id=c.seq.seq_id, start_pos=c.start, tokens=c.seq.tokens[c.start:c.end], emit=c.emit,
                 sampling=c.seq.request.sampling_proto, logprobs=self._lp(c.seq), prompt_len=c.seq.num_prompt,
+                prefix_block_hashes=c.attach,
                 token_masks=c.seq.grammar.masks([])[1] if c.emit and c.seq.grammar is not None else []))
             self.metrics.prompt_tokens_computed.inc(c.end - c.start)
             if c.emit:

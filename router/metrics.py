@@ -82,6 +82,14 @@ class Metrics:
                                           "the target", registry=r)
         self.migrations = Counter("tandem:replica_migrations", "Sequences moved off a lost replica (recomputed "
                                   "elsewhere)", registry=r)
+        # named like vLLM's: hits / queries is the fraction of looked-up tokens not computed
+        self.prefix_queries = Counter("tandem:prefix_cache_queries", "Tokens of sequences (re)starting at a "
+                                      "service that were looked up in its prefix cache", ["service"], registry=r)
+        self.prefix_hits = Counter("tandem:prefix_cache_hits", "...of which the service attached cached KV "
+                                   "instead of computing it", ["service"], registry=r)
+        self.prefix_misses = Counter("tandem:prefix_cache_attach_misses", "Attaches the service refused (its "
+                                     "blocks were evicted or lost): the sequence was recomputed", ["service"],
+                                     registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,6 +5,11 @@ left, oldest first. A sequence reserves KV in both services for its whole histor
 speculation lookahead; when a step's growth does not fit, the newest running sequence is
 preempted (its caches dropped, its history kept for recompute). Admission is FCFS and needs
 room in BOTH caches. The scheduler is pure bookkeeping: no I/O, testable without services.
+
+With prefix caching (router.prefix), a sequence starting at a service attaches the cached blocks of
+its history's longest cached prefix: its first chunk starts after them, and they are reserved once
+however many running sequences attach them (a sequence's own blocks are counted as its own, even
+when another attached them: the accounting may over-count shared blocks, never under-count).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 
 from router.config import RouterConfig
 from router.core import SeqStatus, Sequence
+from router.prefix import PrefixCaches
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Chunk:
     seq: Sequence
     start: int  # target_cached before the chunk
     end: int  # exclusive; == len(seq.tokens) on the last chunk, which emits
+    attach: tuple[int, ...] = ()  # cached blocks (their hashes) the sequence starts from: start == their length
     # fixed when the chunk is made: once the step's token is applied, end < len(seq.tokens)
     emit: bool = field(init=False)
 
@@ -61,29 +68,45 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: RouterConfig, target: CacheGeometry, draft: CacheGeometry | None,
-                 budget: int = 0) -> None:
+                 budget: int = 0, prefix: PrefixCaches | None = None) -> None:
         self.config = config
         self.budget = budget or config.max_num_batched_tokens  # tokens per step (clamped to the target's limit)
         self.target = target
         self.draft = draft
+        self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
 
     # ---- KV accounting -------------------------------------------------------------------
     def _reserve(self, seq: Sequence, extra: int = 0) -> tuple[int, int]:
-        """Blocks seq may occupy (target, draft) during its next step: history + lookahead."""
+        """Blocks seq may allocate (target, draft) during its next step: history + lookahead, less the
+        cached blocks it attached (counted once in usage())."""
         lookahead = self.config.k_max + 1
         n = len(seq.tokens) + extra
         t = self.target.blocks(n + lookahead)
         d = self.draft.blocks(n + 2 * lookahead) if self.draft else 0
+        if self.prefix is not None:
+            at, ad = self.prefix.attached(seq)
+            t, d = t - len(at), d - len(ad)
         return t, d
 
-    def usage(self) -> tuple[int, int]:
+    def _usage(self) -> tuple[int, int, set[int], set[int]]:
+        """Blocks the running sequences allocate (target, draft), and the cached ones they attached."""
         t = d = 0
+        shared_t: set[int] = set()
+        shared_d: set[int] = set()
         for seq in self.running:
             rt, rd = self._reserve(seq)
             t, d = t + rt, d + rd
-        return t, d
+            if self.prefix is not None:
+                at, ad = self.prefix.attached(seq)
+                shared_t.update(at)
+                shared_d.update(ad)
+        return t, d, shared_t, shared_d
+
+    def usage(self) -> tuple[int, int]:
+        t, d, shared_t, shared_d = self._usage()
+        return t + len(shared_t), d + len(shared_d)
 
     def _fits(self, t: int, d: int) -> bool:
         return t <= self.target.num_blocks and (self.draft is None or d <= self.draft.num_blocks)
@@ -109,10 +132,14 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.prefix is not None:
+            self.prefix.release(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Drop seq's caches; it goes back to the front of the queue and recomputes later."""
         self.running.remove(seq)
+        if self.prefix is not None:
+            self.prefix.release(seq)  # its blocks stay cached: the recompute may attach them
         seq.status = SeqStatus.WAITING
         seq.forget_caches()
         seq.num_preemptions += 1
@@ -125,8 +152,13 @@ class Scheduler:
         by the budget); decode_ready(seq) False keeps a decoder out of this step (it waits for
         its proposal while other work runs); `only`: a step of that one sequence (isolating a fault)."""
         plan = StepPlan()
+        if self.prefix is not None:
+            for seq in self.running:
+                self.prefix.observe(seq)
         self._make_room(plan)
         self._admit()
+        if self.prefix is not None:
+            self._replan_lost()
         budget = self.budget
         running = self.running if only is None else [s for s in self.running if s is only]
         prefilling = [s for s in running if s.prefilling and not s.waits_for_fork]  # siblings fork (loop.py)
@@ -136,7 +168,7 @@ class Scheduler:
                 size = len(seq.tokens) - seq.target_cached
                 if plan.chunks and plan.num_tokens + size > budget:
                     break
-                plan.chunks.append(Chunk(seq, seq.target_cached, len(seq.tokens)))
+                plan.chunks.append(self._chunk(seq, len(seq.tokens)))
             return plan
         decoders = [s for s in running if not s.prefilling and decode_ready(s)]
         budget -= len(decoders)  # every decode costs at least its one token
@@ -151,27 +183,48 @@ class Scheduler:
             if budget <= 0:
                 break
             end = min(len(seq.tokens), seq.target_cached + budget)
-            plan.chunks.append(Chunk(seq, seq.target_cached, end))
+            plan.chunks.append(self._chunk(seq, end))
             budget -= end - seq.target_cached
         return plan
 
+    def _chunk(self, seq: Sequence, end: int) -> Chunk:
+        a = seq.prefix.target
+        pending = self.prefix is not None and a is not None and not a.confirmed and seq.target_cached == a.tokens
+        return Chunk(seq, seq.target_cached, end, a.hashes if pending else ())
+
     def _make_room(self, plan: StepPlan) -> None:
-        t, d = self.usage()
-        while self.running and not self._fits(t, d):
+        while self.running and not self._fits(*self.usage()):
             victim = self.running[-1]
-            rt, rd = self._reserve(victim)
             self.preempt(victim)
             plan.preempted.append(victim)
-            t, d = t - rt, d - rd
 
     def _admit(self) -> None:
-        t, d = self.usage()
+        t, d, shared_t, shared_d = self._usage()
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            at: tuple[int, ...] = ()
+            ad: tuple[int, ...] = ()
+            if self.prefix is not None:
+                free_d = self.draft.num_blocks - d - len(shared_d) if self.draft else 0
+                self.prefix.plan(seq, self.target.num_blocks - t - len(shared_t), free_d)
+                at, ad = self.prefix.attached(seq)
             rt, rd = self._reserve(seq)
-            if not self._fits(t + rt, d + rd):
+            new_t, new_d = len(set(at) - shared_t), len(set(ad) - shared_d)
+            if not self._fits(t + len(shared_t) + rt + new_t, d + len(shared_d) + rd + new_d):
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             t, d = t + rt, d + rd
+            shared_t.update(at)
+            shared_d.update(ad)
+
+    def _replan_lost(self) -> None:
+        """Running sequences whose target cache is gone (a cache miss, a lost target) start over,
+        from what is cached."""
+        assert self.prefix is not None
+        lost = [s for s in self.running if self.prefix.needs_target_plan(s)]
+        if lost:
+            free = self.target.num_blocks - self.usage()[0]
+            for seq in lost:
+                self.prefix.plan_target(seq, free)

@@ -126,6 +126,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._add_logprobs(entries, logits, emitting, [o.tokens for o in outcomes], results)
         for e, r in zip(entries, results, strict=True):
             r.cached_len = runner.cached_len(e.seq.seq_id)
+            runner.commit(e.seq.seq_id, r.cached_len)  # rejected drafts are trimmed: the rest is history
         return target_pb2.StepResponse(results=results, forward_ms=(time.perf_counter() - t0) * 1e3,
                                        free_blocks=runner.blocks.num_free)
 
@@ -216,7 +217,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                      f"max_model_len {max_len} for the emitted token")
         if not -1 <= e.logprobs <= MAX_LOGPROBS:
             raise InvalidInput(f"{where}.logprobs", f"must be -1 (none) or in [0, {MAX_LOGPROBS}], got {e.logprobs}")
-        seq = SeqInput(e.seq_id, e.start_pos, tokens, num_logits=k + 1 if e.emit else 0)
+        seq = SeqInput(e.seq_id, e.start_pos, tokens, num_logits=k + 1 if e.emit else 0,
+                       prefix=list(e.prefix_block_hashes))
         processors = self._processors(e, where)
         if e.token_masks and (not e.emit or len(e.token_masks) != k + 1):
             raise InvalidInput(f"{where}.token_masks", f"{len(e.token_masks)} masks: an emitting entry needs one per "

@@ -247,6 +247,21 @@ def test_target_killed_and_restarted_requests_recompute_or_fail_503(stack, clien
     test_completions_greedy_equal_transformers(client, model, ref)
 
 
+def test_multi_turn_chat_attaches_the_cached_history_in_both_services(stack, client, model, ref):
+    """Each turn resends the conversation: its earlier turns are cached KV in the target and the draft."""
+    before = {s: _metric(stack, f'tandem:prefix_cache_hits_total{{service="{s}"}}') for s in ("target", "draft")}
+    messages = [("system", long_prompt(12)), ("user", "Sum the values.")]
+    for turn in range(3):
+        out = client.chat.completions.create(model=model, messages=[{"role": r, "content": c} for r, c in messages],
+                                             max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+        prompt = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"  # the plain fallback
+        assert out.choices[0].message.content == ref.decode(ref.greedy(ref.encode(prompt), 16))
+        messages += [("assistant", out.choices[0].message.content), ("user", f"Now only the first {turn + 2}.")]
+    for service, hits in before.items():
+        after = _metric(stack, f'tandem:prefix_cache_hits_total{{service="{service}"}}')
+        assert after >= hits + 2 * 12 * 8, f"{service}: the 12-line system prompt, cached, in turns 2 and 3"
+
+
 def test_seeded_sampling_reproducible(client, model):
     def run() -> list[str]:
         return [client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0.8, seed=7 + i,

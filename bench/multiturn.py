@@ -1,0 +1,243 @@
+"""python -m bench.multiturn [--models models/demo] [--quick]: multi-turn chat, with and without
+prefix caching, side by side (make bench-multiturn).
+
+Conversations share one system prompt; each turn sends the whole conversation so far (system prompt,
+every earlier question and answer, the new question) through /v1/chat/completions with SSE, greedy,
+ignore_eos, the next turn leaving once the answer is complete (closed loop, `--concurrency`
+conversations at a time). The same conversations run twice, on a fresh stack each time (three
+processes on loopback, router.launch.Stack): with the defaults, and with the router's
+--no-prefix-caching. Answers must be identical (greedy); the run fails otherwise.
+
+Reported per mode: TTFT p50 over all turns and over later turns (2+), output tokens/s over the run,
+acceptance (accepted / drafted tokens), and per service the prefix-cache hit rate (hits / queries in
+tokens, from the router's tandem:prefix_cache_* counters). The criteria of issue #17: TTFT p50 with
+caching <= 0.3x without, tokens/s not lower, acceptance unchanged (within 0.05).
+
+Conversation sizes follow the model's context: the last turn fills about 90% of it. The step budget
+defaults to 1/8 of the context (64 tokens on the 512-token tiny pair, 256 at 2048), so a full history
+takes several steps to prefill, as long prompts do on a real pair.
+
+Stand-alone until the bench harness restructure lands in main: it uses only router.launch.Stack,
+httpx and /metrics. To fold it into that harness, its conversations (`script`) and closed-loop driver
+(`converse`) are the parts to keep; the report rows map onto the harness's per-config tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from tokenizers import Tokenizer
+
+from router.launch import Stack, free_port
+
+SOURCES = ("textwrap.py", "string.py", "fractions.py", "heapq.py", "bisect.py", "shlex.py")
+METRICS = ("tandem:spec_decode_num_draft_tokens_total", "tandem:spec_decode_num_accepted_tokens_total",
+           "tandem:prefix_cache_queries_total", "tandem:prefix_cache_hits_total",
+           "tandem:prefix_cache_attach_misses_total")
+
+
+@dataclass(frozen=True)
+class Shape:
+    conversations: int
+    turns: int
+    system_tokens: int
+    user_tokens: int
+    reply_tokens: int
+    concurrency: int
+    budget: int
+
+
+def shape_for(max_len: int, quick: bool) -> Shape:
+    """The last turn's prompt plus its answer fills ~90% of the context."""
+    reply, user, turns = max(8, max_len // 20), max(8, max_len // 20), 4 if quick else 5
+    overhead = 8  # the chat template's role markers per message
+    system = int(0.9 * max_len) - turns * (user + reply + 2 * overhead)
+    assert system >= 16, f"a {max_len}-token context is too short for this workload"
+    return Shape(4 if quick else 8, turns, system, user, reply, 4, max(16, max_len // 8))
+
+
+def script(tok: Tokenizer, shape: Shape, seed: int) -> tuple[str, list[list[str]]]:
+    """(system prompt, each conversation's user turns): stdlib text cut to token counts, deterministic."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    lines = [ln for name in SOURCES for ln in (root / name).read_text().splitlines() if len(ln.strip()) > 20]
+    rng = random.Random(seed)
+
+    def cut(text: str, n: int) -> str:
+        return tok.decode(tok.encode(text).ids[:n])
+
+    system = cut("You answer questions about this code.\n" + "\n".join(lines[:400]), shape.system_tokens)
+    turns = [[cut(f"What does this do? {' '.join(rng.sample(lines, 3))}", shape.user_tokens)
+              for _ in range(shape.turns)] for _ in range(shape.conversations)]
+    return system, turns
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    ttft: float
+    e2e: float
+    answer: str
+
+
+async def converse(client: httpx.AsyncClient, model: str, system: str, questions: list[str], conv: int,
+                   reply_tokens: int) -> list[Turn]:
+    messages = [{"role": "system", "content": system}]
+    out = []
+    for n, question in enumerate(questions):
+        messages.append({"role": "user", "content": question})
+        body = {"model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        t0 = time.perf_counter()
+        ttft, parts = float("nan"), []
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    raise RuntimeError(data["error"])
+                text = "".join(c.get("delta", {}).get("content") or "" for c in data.get("choices", []))
+                if text and not parts:
+                    ttft = time.perf_counter() - t0
+                parts.append(text)
+        answer = "".join(parts)
+        out.append(Turn(conv, n + 1, ttft, time.perf_counter() - t0, answer))
+        messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(METRICS):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    ttft_p50: float
+    ttft_p50_later: float
+    tokens_per_s: float
+    acceptance: float
+    hit_rate: dict[str, float]
+    attach_misses: float
+    turns: list[Turn] = field(repr=False)
+
+
+async def drive(url: str, model: str, system: str, conversations: list[list[str]], shape: Shape) -> list[Turn]:
+    sem = asyncio.Semaphore(shape.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0)) as client:
+        async def one(conv: int) -> list[Turn]:
+            async with sem:
+                return await converse(client, model, system, conversations[conv], conv, shape.reply_tokens)
+
+        per_conv = await asyncio.gather(*(one(c) for c in range(len(conversations))))
+    return [t for conv in per_conv for t in conv]
+
+
+def run_mode(mode: str, models: Path, system: str, conversations: list[list[str]], shape: Shape,
+             router_args: list[str], log_dir: Path) -> ModeResult:
+    ports = {name: free_port() for name in ("http_port", "grpc_port", "target_port", "draft_port")}
+    stack = Stack(models / "target", models / "draft", router_args=["--max-num-batched-tokens", str(shape.budget),
+                                                                     *router_args], log_dir=log_dir, **ports)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack.start()
+    try:
+        model = stack.model_name
+        warm = {"model": model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4,
+                "temperature": 0}
+        httpx.post(f"{stack.url}/v1/chat/completions", json=warm, timeout=300).raise_for_status()
+        before = scrape(stack.url)
+        t0 = time.perf_counter()
+        turns = asyncio.run(drive(stack.url, model, system, conversations, shape))
+        wall = time.perf_counter() - t0
+        d = {k: v - before.get(k, 0.0) for k, v in scrape(stack.url).items()}
+    finally:
+        stack.stop()
+
+    def get(name: str, service: str = "") -> float:
+        return d.get(f'{name}{{service="{service}"}}' if service else name, 0.0)
+
+    drafted = get("tandem:spec_decode_num_draft_tokens_total")
+    rates = {s: get("tandem:prefix_cache_hits_total", s) / max(1.0, get("tandem:prefix_cache_queries_total", s))
+             for s in ("target", "draft")}
+    return ModeResult(
+        mode, statistics.median(t.ttft for t in turns), statistics.median(t.ttft for t in turns if t.turn > 1),
+        len(turns) * shape.reply_tokens / wall,
+        get("tandem:spec_decode_num_accepted_tokens_total") / drafted if drafted else float("nan"), rates,
+        sum(get("tandem:prefix_cache_attach_misses_total", s) for s in ("target", "draft")), turns)
+
+
+def report(results: list[ModeResult], shape: Shape) -> tuple[str, bool]:
+    on, off = results
+    rows = [f"multi-turn chat: {shape.conversations} conversations x {shape.turns} turns, {shape.concurrency} at a "
+            f"time; system prompt {shape.system_tokens} tokens, questions {shape.user_tokens}, answers "
+            f"{shape.reply_tokens}; step budget {shape.budget}",
+            "", f"{'mode':<20}{'TTFT p50':>10}{'turns 2+':>10}{'tok/s':>8}{'accept':>8}{'hit target':>12}"
+            f"{'hit draft':>11}{'misses':>8}"]
+    for r in results:
+        rows.append(f"{r.mode:<20}{r.ttft_p50 * 1e3:>8.0f}ms{r.ttft_p50_later * 1e3:>8.0f}ms{r.tokens_per_s:>8.1f}"
+                    f"{r.acceptance:>8.2f}{r.hit_rate['target']:>12.2f}{r.hit_rate['draft']:>11.2f}"
+                    f"{r.attach_misses:>8.0f}")
+    checks = {
+        "answers identical": [t.answer for t in on.turns] == [t.answer for t in off.turns],
+        f"TTFT p50 ratio {on.ttft_p50 / off.ttft_p50:.2f} <= 0.3": on.ttft_p50 <= 0.3 * off.ttft_p50,
+        f"tokens/s ratio {on.tokens_per_s / off.tokens_per_s:.2f} >= 1": on.tokens_per_s >= off.tokens_per_s,
+    }
+    if not (math.isnan(on.acceptance) or math.isnan(off.acceptance)):
+        checks[f"acceptance {on.acceptance:.2f} vs {off.acceptance:.2f} (within 0.05)"] = \
+            abs(on.acceptance - off.acceptance) <= 0.05
+    rows += ["", *(f"{'PASS' if ok else 'FAIL'}  {name}" for name, ok in checks.items())]
+    if len(checks) == 3:
+        rows.append("n/a   acceptance: a mode verified no drafts (dynamic k chose k = 0 for this pair; "
+                    "--router-arg=--no-dynamic-k makes it speculate)")
+    return "\n".join(rows), checks["answers identical"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=Path, default=Path("models/demo"), help="pair directory (target/ and draft/)")
+    p.add_argument("--quick", action="store_true", help="4 conversations x 4 turns (default 8 x 5)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/multiturn"), help="results.json, results.md, logs/")
+    p.add_argument("--router-arg", action="append", default=[], help="extra router flag for both modes (repeat)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not (args.models / "target" / "config.json").is_file():
+        print(f"no model pair in {args.models}: `make models` (demo pair) or --models models/tiny", file=sys.stderr)
+        return 2
+    config = json.loads((args.models / "target" / "config.json").read_text())
+    shape = shape_for(int(config["max_position_embeddings"]), args.quick)
+    system, conversations = script(Tokenizer.from_file(str(args.models / "target" / "tokenizer.json")), shape,
+                                   args.seed)
+    results = [run_mode(mode, args.models, system, conversations, shape, [*extra, *args.router_arg],
+                        args.out / "logs" / mode.replace(" ", "-"))
+               for mode, extra in (("prefix caching", []), ("no prefix caching", ["--no-prefix-caching"]))]
+    text, identical = report(results, shape)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(text + "\n")
+    (args.out / "results.json").write_text(json.dumps({"shape": asdict(shape), "models": str(args.models),
+                                                       "modes": [asdict(r) for r in results]}, indent=1))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
