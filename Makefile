@@ -49,8 +49,16 @@ chaos: $(STUBS)  ## only the fault-injection part of e2e-test (stalled and resta
 	$(MAKE) --no-print-directory models-tiny
 	TANDEM_E2E_MODELS=$(E2E_MODELS) $(VENV)/bin/pytest tests/e2e/test_chaos.py
 
-RUN_MODELS ?= models/demo
-run: $(STUBS) models-demo  ## build the models if absent, start target + draft + router (NO_DRAFT=1: target-only)
+# The served default is SmolLM2-135M-Instruct with its locally distilled draft. The draft misses its
+# acceptance gate today (docs/models.md), so `make run` installs it explicitly (--allow-partial);
+# the router measures each sequence's acceptance and speculates only where it pays.
+RUN_MODELS ?= models/smollm2
+run: $(STUBS)  ## build the SmolLM2 pair if absent (~20 min the first time), start target + draft + router (NO_DRAFT=1: no draft)
+ifeq ($(RUN_MODELS),models/smollm2)
+	$(PY) -m model_zoo --out models/smollm2 --allow-partial
+else ifeq ($(RUN_MODELS),models/demo)
+	$(MAKE) --no-print-directory models-demo
+endif
 	$(VENV)/bin/tandem serve $(RUN_MODELS) $(if $(NO_DRAFT),--no-draft) \
 		--port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
 

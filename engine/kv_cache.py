@@ -115,7 +115,7 @@ class BlockManager:
             assert blocks_for(new_length, bs) >= kept
             freed = sum(1 for b in table[kept:] if self._refs[b] == 1)
             net += blocks_for(new_length, bs) - kept - freed
-            if new_length > trim_to and trim_to % bs and self._refs[table[kept - 1]] > 1:
+            if new_length > trim_to and trim_to % bs and kept and self._refs[table[kept - 1]] > 1:
                 net += 1  # appending into a shared block copies it
         return net + len(taken)
 

@@ -2,7 +2,8 @@
 
     tandem serve models/smollm2                     # a pair directory (target/ and draft/): what `make run` runs
     tandem serve TARGET_DIR --draft DRAFT_DIR       # any two model directories sharing a tokenizer
-    tandem serve models/smollm2 --no-draft          # target-only (k = 0)
+    tandem serve models/smollm2 --no-draft          # no draft service: prompt-lookup speculation only
+    tandem serve models/smollm2 --no-draft --router-arg=--no-prompt-lookup   # plain decoding (k = 0)
     (python -m router.launch ... is the same command)
 
 Waits until the router answers /ready, prints how to call it, and on Ctrl-C (or SIGTERM) stops
@@ -12,6 +13,7 @@ all three: the router first, then the services, each given time to finish what i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -198,7 +200,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="target model directory, or a pair directory holding target/ and draft/")
     p.add_argument("--models", type=Path, default=None, help=argparse.SUPPRESS)  # the old spelling of `model`
     p.add_argument("--draft", type=Path, default=None, help="draft model directory (default: MODEL/draft of a pair)")
-    p.add_argument("--no-draft", action="store_true", help="serve target-only (no speculation)")
+    p.add_argument("--no-draft", action="store_true",
+                   help="no draft service (the router still speculates with prompt lookup unless "
+                        "--router-arg=--no-prompt-lookup)")
     p.add_argument("--served-model-name", default="", help="model name clients use (default: the target dir name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", "--http-port", type=int, default=8000, help="the router's HTTP port")
@@ -208,6 +212,19 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--service-arg", action="append", default=[], help="extra flag for both services (repeat)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeat)")
     return env_settable(p)
+
+
+def _warn_if_partial(report: Path) -> None:
+    """A pair installed with --allow-partial missed its build gates: say which, every start."""
+    try:
+        data = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return
+    if data.get("partial"):
+        missed = "; ".join(g["text"] for g in data.get("gates", []) if not g.get("ok"))
+        print(f"warning: this pair was installed below its quality gates ({missed}). The router measures each "
+              "sequence's acceptance and speculates (draft or prompt lookup) only where it pays; see docs/models.md",
+              file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -> int:
@@ -221,6 +238,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -
     except FileNotFoundError as err:
         print(err, file=sys.stderr)
         return 2
+    if draft_dir is not None:
+        _warn_if_partial(draft_dir.parent / "report.json")
     stack = Stack(target_dir, draft_dir, served_model_name=args.served_model_name, host=args.host,
                   http_port=args.port, grpc_port=args.grpc_port, target_port=args.target_port,
                   draft_port=args.draft_port, service_args=args.service_arg, router_args=args.router_arg)
