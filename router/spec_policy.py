@@ -100,15 +100,18 @@ class DraftCost:
 
 
 def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCostModel,
-             draft: DraftCost | None = None) -> list[int]:
+             draft: DraftCost | None = None, drafted: list[bool] | None = None) -> list[int]:
     """Per-sequence k maximising (base_tokens + sum(E_i(k_i))) / t, each k_i <= caps[i], where t is
     the target's step time t(base_tokens + sum(1 + k_i)) combined with the draft's max_k + 1 rounds
-    (overlapped when pipelining: the slower of the two paces the step).
+    (overlapped when pipelining: the slower of the two paces the step). max_k is taken over the
+    sequences the draft model proposes for (`drafted`, default all): prompt-lookup guesses cost no
+    draft work.
 
     base_tokens: tokens already in the step that are not verifications (prompt chunks). They count as
     useful work: a draft token is worth scoring only if its expected yield beats the step's per-token
     rate, else it merely delays prefill (and in a full budget it displaces prompt tokens one for one)."""
     draft = draft or DraftCost()
+    drafted = drafted if drafted is not None else [True] * len(rates)
     ks = [0] * len(rates)
     tokens = base_tokens + len(rates)
 
@@ -119,12 +122,12 @@ def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCo
     best = gain / step_ms(tokens, 0)
     while True:
         pick, pick_goodput = -1, best
-        max_k = max(ks, default=0)
+        max_k = max((k for k, d in zip(ks, drafted, strict=True) if d), default=0)
         for i, a in enumerate(rates):
             if ks[i] >= caps[i]:
                 continue
             g = gain - expected_tokens(a, ks[i]) + expected_tokens(a, ks[i] + 1)
-            goodput = g / step_ms(tokens + 1, max(max_k, ks[i] + 1))
+            goodput = g / step_ms(tokens + 1, max(max_k, ks[i] + 1) if drafted[i] else max_k)
             if goodput > pick_goodput * 1.0001:
                 pick, pick_goodput = i, goodput
         if pick < 0:

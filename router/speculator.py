@@ -15,6 +15,7 @@ from router.speculation import Candidate, best_proposal, plan_branches, prune
 from tandem.v1 import common_pb2
 
 Proposal = tuple[list[int], list[common_pb2.SparseDist]]
+LOOKUP_DRY_STEPS = 4
 
 
 class Speculator:
@@ -68,40 +69,53 @@ class Speculator:
         return drafts, [common_pb2.SparseDist(token_ids=[t], probs=[1.0]) for t in drafts]  # a point guess
 
     def choose_ks(self, decoders: list[Sequence], prefill_tokens: int) -> list[int]:
-        """The scheduler's callback: k per decoder, its policy's wish capped by the proposal it has."""
+        """The scheduler's callback: k per decoder, its policy's wish capped by the proposal it has.
+        Each sequence asks one proposer first: the draft model, or prompt lookup where there is no
+        draft, where its lookups have been accepted more often than its drafts, or where the draft's
+        proposals are not worth their cost now (a lookup costs no draft work)."""
         caps = [self.cap(s) for s in decoders]
         self.draft_cost.pipelined = self.config.pipeline and not self.shares_compute()
+        can_look = [self.config.prompt_lookup and not s.request.reproducible for s in decoders]
+        by_lookup = [c and (not self.draft.up or self._prefers_lookup(s)) for s, c in zip(decoders, can_look,
+                                                                                           strict=True)]
         if self.config.dynamic_k:
             dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
-            lookup = self.config.prompt_lookup
-            chosen = choose_k([self.rate(decoders[i], lookup) for i in dyn], [caps[i] for i in dyn], prefill_tokens,
-                              self.cost, self.draft_cost)
+            chosen = self._dynamic_k(decoders, caps, dyn, by_lookup, prefill_tokens)
+            unaffordable = [i for i, k in zip(dyn, chosen, strict=True) if k == 0 and caps[i] and can_look[i]
+                            and not by_lookup[i]]
+            if unaffordable:
+                for i in unaffordable:
+                    by_lookup[i] = True
+                chosen = self._dynamic_k(decoders, caps, dyn, by_lookup, prefill_tokens)
             for i, k in zip(dyn, chosen, strict=True):
                 caps[i] = k
-        ks = []
-        for seq, k in zip(decoders, caps, strict=True):
-            seq.next_k = k
-            prepared_for_it = any(p.start == seq.outcome_start for p in seq.prepared)
-            drafted = self.proposal(seq)
-            if not drafted[0] and not prepared_for_it:
-                self.late.add(seq.seq_id)
-            # a lookup proposal stands in where the draft has none, and replaces the draft's where
-            # this sequence's lookups have been accepted more often than its drafts
-            prefers_lookup = self._prefers_lookup(seq)
-            if prefers_lookup:
-                self.lookup_first.add(seq.seq_id)
-            looked = self.lookup(seq) if k > 0 and (not drafted[0] or prefers_lookup) else ([], [])
-            if prefers_lookup and k > 0 and not looked[0]:
-                seq.lookup_tracker.update(1, 0)  # no match is a miss: a history that stops repeating hands back
-            if looked[0]:
-                self.matched[seq.seq_id] = looked
-                self.from_lookup.add(seq.seq_id)
-            else:
-                self.matched[seq.seq_id] = drafted
-                if drafted[0]:
-                    self.from_draft.add(seq.seq_id)
-            ks.append(min(k, len(self.matched[seq.seq_id][0])))
-        return ks
+        return [self._match(seq, k, lookup_first) for seq, k, lookup_first in zip(decoders, caps, by_lookup,
+                                                                                  strict=True)]
+
+    def _dynamic_k(self, decoders: list[Sequence], caps: list[int], dyn: list[int], by_lookup: list[bool],
+                   prefill_tokens: int) -> list[int]:
+        rates = [(decoders[i].lookup_tracker if by_lookup[i] else decoders[i].tracker).rate for i in dyn]
+        return choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost, self.draft_cost,
+                        [not by_lookup[i] for i in dyn])
+
+    def _match(self, seq: Sequence, k: int, lookup_first: bool) -> int:
+        """This step's proposal for seq (at most k drafts) from the proposer it asks first, else the other."""
+        seq.next_k = k
+        prepared_for_it = any(p.start == seq.outcome_start for p in seq.prepared)
+        drafted = self.proposal(seq)
+        if not drafted[0] and not prepared_for_it:
+            self.late.add(seq.seq_id)
+        if lookup_first:
+            self.lookup_first.add(seq.seq_id)
+        looked = self.lookup(seq) if k > 0 and (lookup_first or not drafted[0]) else ([], [])
+        if looked[0]:
+            self.matched[seq.seq_id] = looked
+            self.from_lookup.add(seq.seq_id)
+        else:
+            self.matched[seq.seq_id] = drafted
+            if drafted[0]:
+                self.from_draft.add(seq.seq_id)
+        return min(k, len(self.matched[seq.seq_id][0]))
 
     def shares_compute(self) -> bool:
         """Draft and target on the same cores or GPU: the draft's work, pipelined or not, slows the
@@ -111,12 +125,9 @@ class Speculator:
 
     @staticmethod
     def _prefers_lookup(seq: Sequence) -> bool:
-        return seq.lookup_tracker.rate > seq.tracker.rate
-
-    @staticmethod
-    def rate(seq: Sequence, lookup: bool) -> float:
-        """The acceptance rate k is chosen by: the better of the sequence's two proposers."""
-        return max(seq.tracker.rate, seq.lookup_tracker.rate) if lookup else seq.tracker.rate
+        """Its lookups were accepted more often than its drafts, and its history still repeats: after
+        LOOKUP_DRY_STEPS lookups in a row without a match the draft gets it back."""
+        return seq.lookup_tracker.rate > seq.tracker.rate and seq.lookup.dry < LOOKUP_DRY_STEPS
 
     def decode_ready(self, seq: Sequence) -> bool:
         # Seeded sampling stays reproducible only if its k never depends on timing: it waits
@@ -154,8 +165,8 @@ class Speculator:
         cands: list[tuple[Sequence, list[int], Candidate]] = []
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
-                # a sequence whose lookups beat its drafts gets no branches: they would go unused
-                if seq.next_k > 0 and not seq.request.reproducible and not self._prefers_lookup(seq):
+                # a sequence asking prompt lookup first gets no branches: they would go unused
+                if seq.next_k > 0 and not seq.request.reproducible and seq.seq_id not in self.lookup_first:
                     cands.append((seq, seq.tokens + drafts, Candidate(seq.seq_id, len(drafts), seq.tracker.rate,
                                                                       seq.next_k)))
             for c in plan.chunks:
@@ -190,6 +201,8 @@ class Speculator:
         if not cands:
             return 0
         k = max(c.k for _, _, c in cands)
+        if self.shares_compute():  # every branch delays the target: only each sequence's likeliest outcome
+            return len(cands)
         by_time = max(len(cands), self.branch_cost.affordable(step_ms, rounds=1 + k, k=k))
         geometry = self.scheduler.draft
         if geometry is None:

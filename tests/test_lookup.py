@@ -57,8 +57,14 @@ def test_a_sequence_uses_the_proposer_its_history_accepts_more():
     for _ in range(5):
         seq.tracker.update(4, 0)
     assert Speculator._prefers_lookup(seq)
-    assert Speculator.rate(seq, lookup=True) == seq.lookup_tracker.rate > seq.tracker.rate
-    assert Speculator.rate(seq, lookup=False) == seq.tracker.rate
+    history = [1, 2, 3, 1, 2]
+    assert seq.lookup.propose(history, 2) == [3, 1] and Speculator._prefers_lookup(seq)
+    for t in [10, 11, 12, 13]:
+        history.append(t)
+        assert seq.lookup.propose(history, 2) == []
+    assert not Speculator._prefers_lookup(seq), "a history that stopped repeating goes back to the draft"
+    history += [1, 2]
+    assert seq.lookup.propose(history, 2) == [10, 11] and Speculator._prefers_lookup(seq)
     for _ in range(10):
         seq.lookup_tracker.update(4, 0)
     assert not Speculator._prefers_lookup(seq)

@@ -225,3 +225,12 @@ def test_draft_cost_is_fitted_from_calls_of_different_sizes():
     assert d.step_ms(target_ms=20.0, max_k=4) == 20.0  # hidden behind the target
     assert d.step_ms(target_ms=2.0, max_k=4) == pytest.approx(0.7 + 1.3 * 5, rel=0.05)
     assert d.step_ms(target_ms=2.0, max_k=0) == 2.0  # no drafting, no cost
+
+
+def test_proposals_that_cost_no_draft_work_are_not_charged_for_it():
+    """A draft as slow as the target makes drafting unaffordable, but prompt-lookup guesses (no draft
+    work) at the same acceptance are still worth verifying."""
+    cost = StepCostModel(alpha=70.0, beta=3.0)
+    slow_draft = DraftCost(model=StepCostModel(alpha=60.0, beta=20.0), pipelined=False)
+    assert choose_k([0.6], [4], 0, cost, slow_draft, drafted=[True]) == [0]
+    assert choose_k([0.6], [4], 0, cost, slow_draft, drafted=[False])[0] > 0
