@@ -12,12 +12,13 @@ mode. For each configuration it starts the stack (target + draft + router, three
 loopback), warms it up, and drives the same prompts with the same seeds through the OpenAI HTTP
 door (SSE streaming):
 
-  (1) target only, prefill-first            --no-chunked-prefill, no draft
-  (2) target only + chunked prefill         no draft
+  (1) target only, prefill-first            --no-chunked-prefill --no-prompt-lookup, no draft
+  (2) target only + chunked prefill         --no-prompt-lookup, no draft
   (3) speculation, no chunking, sequential  --no-chunked-prefill --no-pipeline --no-dynamic-k
   (4) speculation + chunked, sequential     --no-pipeline --no-dynamic-k
   (5) (4) + pipelining                      --no-dynamic-k
-  (6) (5) + dynamic k                       the defaults
+  (6) (5) + dynamic k                       the defaults (prompt lookup where it beats the draft)
+  (7) target + prompt lookup                no draft: what the draft model adds beyond lookup
   (hf) the anchor: transformers generate(assistant_model=draft) on the same pair, greedy, in its own
        process, one request at a time (under load: served one after another, FIFO)
 
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="where results and plots go (default: bench/results, or bench/results/quick with --quick, "
                         "which is not committed)")
-    p.add_argument("--configs", default="1,2,3,4,5,6,hf", help="comma-separated subset of 1..6 and hf")
+    p.add_argument("--configs", default="1,2,3,4,5,6,7,hf", help="comma-separated subset of 1..7 and hf")
     p.add_argument("--loads", default=None, help="comma-separated subset of the plan's loads (e.g. c1,c16)")
     p.add_argument("--budget", type=int, default=256, help="router --max-num-batched-tokens (prompt lengths scale)")
     p.add_argument("--k-max", type=int, default=4, help="router --k-max")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = set(wanted) - {c.key for c in CONFIGS} - {"hf"}
     if unknown:
-        print(f"--configs: unknown {sorted(unknown)}; choose from 1..6 and hf", file=sys.stderr)
+        print(f"--configs: unknown {sorted(unknown)}; choose from 1..7 and hf", file=sys.stderr)
         return 2
     args.loads = [x.strip() for x in args.loads.split(",") if x.strip()] if args.loads else None
     try:

@@ -12,7 +12,7 @@ from bench.client import RequestResult
 
 @dataclass(frozen=True)
 class Config:
-    key: str  # "1".."6", "hf"
+    key: str  # "1".."7", "hf"
     name: str
     draft: bool
     flags: tuple[str, ...]
@@ -26,6 +26,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("4", "spec + chunked, draft then target", True, ("--no-pipeline", "--no-dynamic-k")),
     Config("5", "(4) + pipelining", True, ("--no-dynamic-k",)),
     Config("6", "(5) + dynamic k (defaults)", True, ()),
+    Config("7", "target + prompt lookup, no draft", False, ()),
 )
 ANCHOR = Config("hf", "transformers generate(assistant_model=draft), one at a time", True, ())
 
