@@ -203,7 +203,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--no-draft", action="store_true",
                    help="no draft service (the router still speculates with prompt lookup unless "
                         "--router-arg=--no-prompt-lookup)")
-    p.add_argument("--served-model-name", default="", help="model name clients use (default: the target dir name)")
+    p.add_argument("--served-model-name", default="",
+                   help="model name clients use (default: the pair directory's name, e.g. smollm2, else the "
+                        "target directory's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", "--http-port", type=int, default=8000, help="the router's HTTP port")
     p.add_argument("--grpc-port", type=int, default=50051, help="the router's public gRPC port")
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -
         return 2
     if draft_dir is not None:
         _warn_if_partial(draft_dir.parent / "report.json")
-    stack = Stack(target_dir, draft_dir, served_model_name=args.served_model_name, host=args.host,
+    pair_name = model.resolve().name if target_dir.parent.resolve() == model.resolve() else ""
+    stack = Stack(target_dir, draft_dir, served_model_name=args.served_model_name or pair_name, host=args.host,
                   http_port=args.port, grpc_port=args.grpc_port, target_port=args.target_port,
                   draft_port=args.draft_port, service_args=args.service_arg, router_args=args.router_arg)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -274,7 +277,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _print_usage(stack: Stack) -> None:
     name = stack.model_name
-    mode = "" if stack.draft else "  [target-only]"
+    mode = "" if stack.draft else "  [no draft: prompt-lookup speculation only]"
     print(f"""
 Tandem is ready: {stack.url}  (gRPC Generate on {stack.host}:{stack.grpc_port}){mode}
 
