@@ -47,6 +47,11 @@ Measures per pair x mode x config x load: output tokens/s, TTFT, ITL p50/p90/p99
 chunk arrival times), end-to-end latency; from /metrics deltas: acceptance, pipeline hit rate and
 misses (late / wrong), target busy, target ms/step, router+RPC ms/step and its share of target.
 
+Feature workloads (--workloads), once per pair in shared mode, after the configs: structured
+(bench/structured.py: the same prompts free and constrained to JSON schemas; every constrained
+answer must parse and validate) and multiturn (bench/multiturn.py: multi-turn chat with and without
+prefix caching; greedy answers must be identical).
+
 Writes OUT/results.md (the issues' figures with pass/fail first, then every table), results.json,
 samples.json, PAIR-MODE-itl_cdf.png and PAIR-MODE-load.png (plots need matplotlib; --replot redraws
 them), and every process's log under OUT/logs/PAIR/MODE/. Prints the figures at the end.
@@ -94,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=float, default=0.0,
                    help="req/s that Poisson rate fractions refer to (0: measure the first config at c=16)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, output lengths and arrivals")
+    p.add_argument("--workloads", default="main,structured,multiturn",
+                   help="comma-separated subset of main (configs x loads x modes, above), structured (JSON-schema "
+                        "constrained vs free answers, #18) and multiturn (chat with and without prefix caching, "
+                        "#17); the last two run once per pair, shared mode only")
     p.add_argument("--replot", type=Path, metavar="RESULTS_JSON", help="only draw the plots of a saved run")
     return p
 
@@ -117,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(wanted) - {c.key for c in CONFIGS} - {"hf"}
     if unknown:
         print(f"--configs: unknown {sorted(unknown)}; choose from 1..7 and hf", file=sys.stderr)
+        return 2
+    from bench.features import parse_workloads
+
+    try:
+        args.workloads = parse_workloads(args.workloads)
+    except ValueError as err:
+        print(f"--workloads: {err}", file=sys.stderr)
         return 2
     args.loads = [x.strip() for x in args.loads.split(",") if x.strip()] if args.loads else None
     try:

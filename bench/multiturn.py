@@ -13,13 +13,14 @@ acceptance (accepted / drafted tokens), and per service the prefix-cache hit rat
 tokens, from the router's tandem:prefix_cache_* counters). The criteria of issue #17: TTFT p50 with
 caching <= 0.3x without, tokens/s not lower, acceptance unchanged (within 0.05).
 
-Conversation sizes follow the model's context: the last turn fills about 90% of it. The step budget
+Conversation sizes follow the model's context: the last turn fills about 80% of it (answers
+re-tokenized by the chat template can come back longer than they were generated). The step budget
 defaults to 1/8 of the context (64 tokens on the 512-token tiny pair, 256 at 2048), so a full history
 takes several steps to prefill, as long prompts do on a real pair.
 
-Stand-alone until the bench harness restructure lands in main: it uses only router.launch.Stack,
-httpx and /metrics. To fold it into that harness, its conversations (`script`) and closed-loop driver
-(`converse`) are the parts to keep; the report rows map onto the harness's per-config tables.
+`make bench` runs it too (python -m bench --workloads multiturn: once per pair, shared mode, `measure()`
+here, its figures and section in that run's results.md); stand-alone, it prints `report()` and writes
+OUT/results.md and OUT/results.json.
 """
 
 from __future__ import annotations
@@ -59,11 +60,16 @@ class Shape:
 
 
 def shape_for(max_len: int, quick: bool) -> Shape:
-    """The last turn's prompt plus its answer fills ~90% of the context."""
-    reply, user, turns = max(8, max_len // 20), max(8, max_len // 20), 4 if quick else 5
-    overhead = 8  # the chat template's role markers per message
-    system = int(0.9 * max_len) - turns * (user + reply + 2 * overhead)
-    assert system >= 16, f"a {max_len}-token context is too short for this workload"
+    """The last turn's prompt plus its answer fills ~80% of the context: a system prompt of at least 64
+    tokens and 5 turns (4 with quick; fewer where the context is short, at least 2)."""
+    reply = user = max(8, max_len // 20)
+    overhead = 16  # the chat template's role markers per message, and answers that re-tokenize longer
+    per_turn = user + reply + 2 * overhead
+    turns = min(4 if quick else 5, (int(0.8 * max_len) - 64) // per_turn)
+    if turns < 2:
+        raise ValueError(f"a {max_len}-token context is too short for the multi-turn workload (it needs room for "
+                         f"a 64-token system prompt and 2 turns of {user} + {reply} tokens)")
+    system = int(0.8 * max_len) - turns * per_turn
     return Shape(4 if quick else 8, turns, system, user, reply, 4, max(16, max_len // 8))
 
 
@@ -211,6 +217,18 @@ def report(results: list[ModeResult], shape: Shape) -> tuple[str, bool]:
     return "\n".join(rows), checks["answers identical"]
 
 
+def measure(models: Path, quick: bool, seed: int, log_dir: Path,
+            router_args: list[str] | tuple[str, ...] = ()) -> tuple[Shape, list[ModeResult]]:
+    """Both modes on fresh stacks (shared: no pinning), with prefix caching first. Raises ValueError
+    when the pair's context is too short for the conversations."""
+    config = json.loads((models / "target" / "config.json").read_text())
+    shape = shape_for(int(config["max_position_embeddings"]), quick)
+    system, conversations = script(Tokenizer.from_file(str(models / "target" / "tokenizer.json")), shape, seed)
+    return shape, [run_mode(mode, models, system, conversations, shape, [*extra, *router_args],
+                            log_dir / mode.replace(" ", "-"))
+                   for mode, extra in (("prefix caching", []), ("no prefix caching", ["--no-prefix-caching"]))]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,13 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.models / "target" / "config.json").is_file():
         print(f"no model pair in {args.models}: `make models` (demo pair) or --models models/tiny", file=sys.stderr)
         return 2
-    config = json.loads((args.models / "target" / "config.json").read_text())
-    shape = shape_for(int(config["max_position_embeddings"]), args.quick)
-    system, conversations = script(Tokenizer.from_file(str(args.models / "target" / "tokenizer.json")), shape,
-                                   args.seed)
-    results = [run_mode(mode, args.models, system, conversations, shape, [*extra, *args.router_arg],
-                        args.out / "logs" / mode.replace(" ", "-"))
-               for mode, extra in (("prefix caching", []), ("no prefix caching", ["--no-prefix-caching"]))]
+    shape, results = measure(args.models, args.quick, args.seed, args.out / "logs", args.router_arg)
     text, identical = report(results, shape)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

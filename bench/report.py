@@ -115,7 +115,49 @@ def markdown(data: dict) -> str:
             "### Inside the router (from /metrics deltas)", "", *engine_table(data, run), "",
             f"![ITL CDF]({stem}-itl_cdf.png)", "", f"![load]({stem}-load.png)", "",
         ]
+    for e in data.get("features", []):
+        lines += feature_lines(e)
     return "\n".join(lines)
+
+
+def structured_table(res: dict) -> list[str]:
+    rows = ["| pass | valid JSON (greedy, sampled) | finish stop | acceptance | emitted / step | mask B / verify "
+            "| router ms / step | target ms / step | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in ("free", "json_schema"):
+        r = res[name]
+        split = ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in r.get("by_sampling", {}).items())
+        rows.append(f"| {name} | {r['valid_json']}/{r['requests']} ({split}) | {r['finish_stop']} "
+                    f"| {_n(r.get('acceptance'), '{:.2f}')} | {_n(r.get('emitted_per_step'), '{:.2f}')} "
+                    f"| {_n(r.get('mask_bytes_per_verification'), '{:.0f}')} | {_n(r.get('router_ms_per_step'))} "
+                    f"| {_n(r.get('target_ms_per_step'))} | {_n(r.get('tokens_per_s'))} |")
+    return rows
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+def multiturn_table(res: dict) -> list[str]:
+    rows = ["| mode | TTFT p50 (ms) | TTFT p50, turns 2+ (ms) | output tok/s | acceptance | prefix-cache hit rate "
+            "target / draft | attach misses |", "|---|---|---|---|---|---|---|"]
+    for mode, r in res["modes"].items():
+        hit = r.get("hit_rate", {})
+        rows.append(f"| {mode} | {_n(_ms(r.get('ttft_p50')), '{:.0f}')} | {_n(_ms(r.get('ttft_p50_later')), '{:.0f}')} "
+                    f"| {_n(r.get('tokens_per_s'))} | {_n(r.get('acceptance'), '{:.2f}')} "
+                    f"| {_n(hit.get('target'), '{:.0%}')} / {_n(hit.get('draft'), '{:.0%}')} "
+                    f"| {_n(r.get('attach_misses'), '{:.0f}')} |")
+    same = "identical" if res["answers_identical"] else "**DIFFERENT**"
+    return [*rows, "", f"Greedy answers with and without prefix caching: {same}."]
+
+
+def feature_lines(e: dict) -> list[str]:
+    """One feature workload's section (an entry of bench/features.py)."""
+    head = [f"## {e['pair']}, {e['workload']} workload ({e['mode']})", ""]
+    if e["status"] != "ran":
+        return [*head, f"**{e['status']}**: {e['reason']}", ""]
+    settings = ", ".join(f"{k} {v}" for k, v in e["settings"].items())
+    table = structured_table(e["results"]) if e["workload"] == "structured" else multiturn_table(e["results"])
+    return [*head, f"Settings: {settings}. {e['seconds'] / 60:.1f} min.", "", *table, ""]
 
 
 def _finite(x: object) -> object:

@@ -1,6 +1,7 @@
 """python -m bench.structured [--models models/demo] [--requests 20] [--out bench/results]: the structured-output
-workload. A self-contained module while the harness is restructured (branch bench); to fold it in, call
-`run(models, n, out)` from the harness as one more workload and put its `markdown()` lines in the report.
+workload. `make bench` runs it too (python -m bench --workloads structured: once per pair, shared mode,
+`measure()` here, its figures and section in that run's results.md); stand-alone, it prints `markdown()`
+and writes OUT/structured.json.
 
 It starts the stack (target + draft + router, router.launch.Stack), then sends the same prompts twice,
 4 at a time: free text, then each constrained to a JSON schema (chat-less completions; half greedy, half
@@ -38,6 +39,7 @@ SCHEMAS = [
                                       "returns": {"enum": ["None", "str", "int", "list", "dict"]}},
      "required": ["args", "returns"], "additionalProperties": False},
 ]
+REQUESTS, QUICK_REQUESTS = 20, 8  # per pass; half greedy, half sampled
 PROMPTS = ["def read_config(path):\n    ", "import os\nimport sys\n\n", "class Cache:\n    def __init__(self",
            "# parse the arguments\n", "def walk(top, topdown=True):\n    ", "RESULT = {\n    \"name\": ",
            "    for key, value in items:\n        ", "from collections import OrderedDict\n\n\nclass "]
@@ -75,15 +77,20 @@ def drive(url: str, model: str, reqs: list[dict], constrained: bool) -> tuple[li
 
 def summarize(answers: list[dict], reqs: list[dict], d: prom.Samples, wall: float, constrained: bool) -> dict:
     valid = 0
+    by_sampling = {"greedy": [0, 0], "sampled": [0, 0]}  # [valid, requests]
     for a, r in zip(answers, reqs, strict=True):
+        tally = by_sampling["greedy" if r["temperature"] == 0.0 else "sampled"]
+        tally[1] += 1
         try:
             jsonschema.validate(json.loads(a["text"]), r["schema"])
             valid += 1
+            tally[0] += 1
         except (json.JSONDecodeError, jsonschema.ValidationError):
             a["invalid"] = True
     engine = prom.derive(d, wall)
     verifications = prom._get(d, "tandem:spec_decode_emitted_tokens_per_step_count")
-    return {"requests": len(answers), "valid_json": valid, "finish_stop": sum(a["finish"] == "stop" for a in answers),
+    return {"requests": len(answers), "valid_json": valid, "by_sampling": by_sampling,
+            "finish_stop": sum(a["finish"] == "stop" for a in answers),
             "output_tokens": sum(a["tokens"] for a in answers), "wall_s": wall,
             "tokens_per_s": sum(a["tokens"] for a in answers) / wall,
             "mean_latency_s": sum(a["latency_s"] for a in answers) / len(answers),
@@ -102,11 +109,13 @@ def markdown(res: dict) -> list[str]:
     return rows
 
 
-def run(models: Path, n: int, out: Path) -> dict:
-    (out / "logs-structured").mkdir(parents=True, exist_ok=True)
-    stack = Stack(models / "target", models / "draft", served_model_name=models.name, http_port=free_port(),
-                  grpc_port=free_port(), target_port=free_port(), draft_port=free_port(),
-                  router_args=["--log-level", "WARNING"], log_dir=out / "logs-structured")
+def measure(models: Path, n: int, log_dir: Path) -> dict:
+    """Start the stack (shared: no pinning), run both passes of n requests, stop it. res[pass] = summary
+    with the answers ("free", then "json_schema")."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(models / "target", models / "draft", served_model_name=models.resolve().name,
+                  http_port=free_port(), grpc_port=free_port(), target_port=free_port(), draft_port=free_port(),
+                  router_args=["--log-level", "WARNING"], log_dir=log_dir)
     stack.start(timeout=300.0)
     try:
         reqs = requests_for(n)
@@ -118,6 +127,11 @@ def run(models: Path, n: int, out: Path) -> dict:
             res[name]["answers"] = answers
     finally:
         stack.stop()
+    return res
+
+
+def run(models: Path, n: int, out: Path) -> dict:
+    res = measure(models, n, out / "logs-structured")
     (out / "structured.json").write_text(json.dumps(res, indent=1))
     return res
 
@@ -125,10 +139,12 @@ def run(models: Path, n: int, out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=Path, default=Path("models/demo"))
-    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--requests", type=int, default=None,
+                        help=f"requests per pass (default {REQUESTS}; with --quick {QUICK_REQUESTS})")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests per pass")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    res = run(args.models, args.requests, args.out)
+    res = run(args.models, args.requests or (QUICK_REQUESTS if args.quick else REQUESTS), args.out)
     print("\n".join(markdown(res)))
     ok = res["json_schema"]["valid_json"] == res["json_schema"]["requests"] and res["json_schema"]["acceptance"] > 0
     return 0 if ok else 1

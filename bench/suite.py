@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import anchor, plans, report
-from bench.figures import figures
+from bench import anchor, features, plans, report
+from bench.figures import feature_figures, figures
 from bench.modes import Mode
 from bench.pairs import Pair
 from bench.plans import Load, Plan, Profile
@@ -163,12 +163,15 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
               "is running, and these numbers will carry its noise (the load average is recorded)")
 
     samples: dict = {"itl_samples": {}, "requests": {}}
-    runs, figs = [], []
+    runs, figs, feats = [], [], []
     for w in work:
-        for mode in modes:
+        for mode in modes if "main" in args.workloads else ():
             entry = run_mode(w, mode, configs, with_anchor, args, samples)
             runs.append(entry)
             figs += [f.row() for f in figures(w.pair.name, mode.name, entry["results"], w.profile)]
+        for entry in features.run_features(w.pair, args.workloads, args.quick, args.seed, args.out, samples):
+            feats.append(entry)
+            figs += [f.row() for f in feature_figures(entry)]
     data = {
         "meta": {"command": shlex.join(["python", "-m", "bench", *argv]),
                  "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick,
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
                                          "loads": [report.load_dict(ld) for ld, _, _ in w.loads]},
                                 "workload": pool_summary(w.pool), "correctness": w.check.report()}
                   for w in work},
-        "runs": runs, "figures": figs,
+        "runs": runs, "features": feats, "figures": figs,
     }
     js, md = report.write(args.out, data, samples)
     pngs = plots.plot_all({**data, **samples}, args.out, js)
@@ -195,14 +198,16 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
         print(f"INCOMPLETE: {s}")
     errors = sum(s["errors"] for r in runs for per in r["results"].values() for s in per.values())
     mismatches = sum(w.check.report()["mismatches"] for w in work)
-    failed = [f"{r['pair']} {r['mode']} {f}" for r in runs for f in r["failures"]]
+    failed = [f"{r['pair']} {r['mode']} {f}" for r in runs for f in r["failures"]] + features.problems(feats)
     if mismatches or errors or failed:
         print(f"FAILED: {mismatches} output mismatches across configs and modes, {errors} failed requests, "
-              f"{len(failed)} configs that did not run (details in {js})" + "".join(f"\n  {f}" for f in failed))
+              f"{len(failed)} configs or workloads that did not run or answered wrong (details in {js})" + "".join(f"\n  {f}" for f in failed))
         return 1
-    for w in work:
+    for w in work if "main" in args.workloads else ():
         c = w.check.report()
         agree = "; ".join(f"{r['mode']}: {r['anchor_agreement']}" for r in runs if r["pair"] == w.pair.name)
         print(f"correctness, {w.pair.name}: {c['answers_compared']} greedy answers for {c['prompts']} prompts "
               f"identical across configs, loads and modes; anchor: {agree}")
+    for e in feats:
+        print(features.correctness_line(e))
     return 0

@@ -1,0 +1,132 @@
+"""The feature workloads of a run (`--workloads`): besides `main` (configs x loads x modes), each
+runs once per pair, after the main workload, in shared mode only: they measure features, not the
+two-device premise.
+
+    structured  bench/structured.py: the same prompts free and constrained to JSON schemas (issue #18)
+    multiturn   bench/multiturn.py: multi-turn chat with and without --no-prefix-caching (issue #17)
+
+Each gives one entry of results.json's "features": {workload, pair, mode, status, reason, seconds,
+settings, results}; status is "ran", "n/a" (this pair cannot run it: reason says why) or "failed"
+(it crashed: reason; the run exits 1). Their figures are in bench/figures.py, their sections of
+results.md in bench/report.py; bulky per-request rows go to samples.json.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from bench.pairs import Pair
+
+WORKLOADS = ("main", "structured", "multiturn")
+FEATURES = WORKLOADS[1:]
+DEFAULT_WORKLOADS = ",".join(WORKLOADS)
+
+
+def parse_workloads(text: str) -> list[str]:
+    """A comma list of WORKLOADS, in WORKLOADS order; ValueError names what is unknown or says it is empty."""
+    wanted = {w.strip() for w in text.split(",") if w.strip()}
+    unknown = wanted - set(WORKLOADS)
+    if unknown:
+        raise ValueError(f"unknown {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    if not wanted:
+        raise ValueError(f"no workload named; choose from {', '.join(WORKLOADS)}")
+    return [w for w in WORKLOADS if w in wanted]
+
+
+def _entry(workload: str, pair: Pair, status: str, reason: str = "", **rest: object) -> dict:
+    return {"workload": workload, "pair": pair.name, "mode": "shared", "status": status, "reason": reason,
+            "seconds": 0.0, "settings": {}, "results": {}, **rest}
+
+
+# What a workload that crashed raises: a stack that would not start or died, an HTTP error, a bad answer.
+CRASHES = (RuntimeError, TimeoutError, OSError, httpx.HTTPError, ValueError)
+
+
+def run_structured(pair: Pair, quick: bool, log_dir: Path, samples: dict) -> dict:
+    from bench import structured
+
+    n = structured.QUICK_REQUESTS if quick else structured.REQUESTS
+    settings = {"requests": n, "greedy": (n + 1) // 2, "sampled": n // 2, "concurrency": 4, "max_tokens": 160,
+                "schemas": len(structured.SCHEMAS), "router_args": "defaults"}
+    t0 = time.monotonic()
+    try:
+        res = structured.measure(pair.path, n, log_dir)
+    except CRASHES as err:
+        return _entry("structured", pair, "failed", f"{type(err).__name__}: {err} (logs in {log_dir})",
+                      settings=settings, seconds=time.monotonic() - t0)
+    samples.setdefault("structured", {})[pair.name] = {name: r.pop("answers") for name, r in res.items()}
+    return _entry("structured", pair, "ran", settings=settings, results=res, seconds=time.monotonic() - t0)
+
+
+def run_multiturn(pair: Pair, quick: bool, seed: int, log_dir: Path, samples: dict) -> dict:
+    from bench import multiturn
+
+    try:
+        multiturn.shape_for(pair.max_model_len, quick)
+    except ValueError as err:
+        return _entry("multiturn", pair, "n/a", str(err))
+    t0 = time.monotonic()
+    try:
+        shape, modes = multiturn.measure(pair.path, quick, seed, log_dir)
+    except CRASHES as err:
+        return _entry("multiturn", pair, "failed", f"{type(err).__name__}: {err} (logs in {log_dir})",
+                      seconds=time.monotonic() - t0)
+    on, off = modes
+    settings = {**asdict(shape), "chat_template": pair.has_chat_template}
+    results = {"answers_identical": [t.answer for t in on.turns] == [t.answer for t in off.turns],
+               "modes": {m.mode: {k: v for k, v in asdict(m).items() if k != "turns"} for m in modes}}
+    samples.setdefault("multiturn", {})[pair.name] = {
+        m.mode: [[t.conversation, t.turn, round(t.ttft, 4), round(t.e2e, 4)] for t in m.turns] for m in modes}
+    return _entry("multiturn", pair, "ran", settings=settings, results=results, seconds=time.monotonic() - t0)
+
+
+def run_features(pair: Pair, workloads: list[str], quick: bool, seed: int, out: Path, samples: dict,
+                 say: Callable[[str], None] = print) -> list[dict]:
+    """Every feature workload of `workloads` on one pair, in shared mode; logs under OUT/logs/PAIR/shared/."""
+    entries = []
+    for name in (w for w in FEATURES if w in workloads):
+        say(f"{pair.name} shared: {name} workload ...")
+        log_dir = out / "logs" / pair.name / "shared" / name
+        entry = (run_structured(pair, quick, log_dir, samples) if name == "structured"
+                 else run_multiturn(pair, quick, seed, log_dir, samples))
+        say(f"{pair.name} shared: {name} {entry['status']}" + (f": {entry['reason']}" if entry["reason"] else "")
+            + f" ({entry['seconds'] / 60:.1f} min)")
+        entries.append(entry)
+    return entries
+
+
+def problems(entries: list[dict]) -> list[str]:
+    """What makes the run fail: a workload that crashed, an invalid constrained answer, greedy answers
+    that differ with and without prefix caching."""
+    out = []
+    for e in entries:
+        tag = f"{e['pair']} {e['workload']}"
+        if e["status"] == "failed":
+            out.append(f"{tag}: did not run: {e['reason']}")
+        elif e["status"] == "ran" and e["workload"] == "structured":
+            r = e["results"]["json_schema"]
+            if r["valid_json"] != r["requests"]:
+                out.append(f"{tag}: {r['requests'] - r['valid_json']} of {r['requests']} constrained answers do "
+                           "not parse or validate")
+        elif e["status"] == "ran" and e["workload"] == "multiturn" and not e["results"]["answers_identical"]:
+            out.append(f"{tag}: greedy answers differ with and without prefix caching")
+    return out
+
+
+def correctness_line(e: dict) -> str:
+    """One printed line per entry for the end of a run."""
+    tag = f"correctness, {e['pair']} {e['workload']}"
+    if e["status"] != "ran":
+        return f"{tag}: {e['status']} ({e['reason']})"
+    if e["workload"] == "structured":
+        r = e["results"]["json_schema"]
+        return f"{tag}: {r['valid_json']}/{r['requests']} constrained answers parse and validate"
+    same = "identical" if e["results"]["answers_identical"] else "DIFFERENT"
+    turns = e["settings"]["conversations"] * e["settings"]["turns"]
+    return f"{tag}: {turns} greedy answers {same} with and without prefix caching"
+
