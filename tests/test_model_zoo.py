@@ -146,6 +146,35 @@ def test_smollm2_greedy_through_the_engine_equals_transformers(smollm2):
 
 
 @pytest.mark.slow
+def test_smollm2_chat_through_the_router_equals_transformers_and_knows_paris(smollm2):
+    """The served path: /v1/chat/completions renders SmolLM2's own template, speculates (prompt
+    lookup: no draft here) and answers exactly what transformers' greedy generate answers."""
+    import httpx
+
+    from router.config import RouterConfig
+    from tests.stack import start_router, start_target
+
+    _, target_dir = smollm2
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target, _ = start_target(target_dir, num_blocks=64)
+    router = start_router(RouterConfig(), target.address, None, target_dir, model_name="smollm2")
+    try:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        r = httpx.post(f"{router.url}/v1/chat/completions", timeout=300,
+                       json={"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": 24})
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]["message"]["content"]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+        want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):]
+        assert answer == tok.decode(want, skip_special_tokens=True)
+        assert "Paris" in answer
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        router.stop(), target.stop()
+
+
+@pytest.mark.slow
 def test_tiny_build_fails_loudly_below_its_gates_then_installs_only_when_allowed(tmp_path):
     from model_zoo.__main__ import main
     from model_zoo.build import build
