@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 from tokenizers import Tokenizer
 
-from router.launch import Stack, free_port
+from router.launch import Stack, stack_ports
 
 SOURCES = ("textwrap.py", "string.py", "fractions.py", "heapq.py", "bisect.py", "shlex.py")
 METRICS = ("tandem:spec_decode_num_draft_tokens_total", "tandem:spec_decode_num_accepted_tokens_total",
@@ -160,7 +160,7 @@ async def drive(url: str, model: str, system: str, conversations: list[list[str]
 
 def run_mode(mode: str, models: Path, system: str, conversations: list[list[str]], shape: Shape,
              router_args: list[str], log_dir: Path) -> ModeResult:
-    ports = {name: free_port() for name in ("http_port", "grpc_port", "target_port", "draft_port")}
+    ports = stack_ports()
     stack = Stack(models / "target", models / "draft", router_args=["--max-num-batched-tokens", str(shape.budget),
                                                                      *router_args], log_dir=log_dir, **ports)
     log_dir.mkdir(parents=True, exist_ok=True)

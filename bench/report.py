@@ -179,6 +179,16 @@ def load(js: Path) -> dict:
     return data
 
 
+def save_partial(out: Path, entry: dict) -> Path:
+    """One pair x mode (or feature workload) as soon as it is done: OUT/partial/PAIR-MODE[-WORKLOAD].json,
+    so a run that dies later still leaves what it measured."""
+    name = "-".join(x for x in (entry["pair"], entry["mode"], entry.get("workload")) if x)
+    path = out / "partial" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(entry), indent=1) + "\n")
+    return path
+
+
 def write(out: Path, data: dict, samples: dict) -> tuple[Path, Path]:
     """results.json; samples.json: itl_samples["pair/mode"][config][load] (ms per token) and
     requests["pair/mode"][config][load] = rows of [pid, sent s, TTFT s, e2e s, tokens, chunks]; results.md."""

@@ -17,7 +17,7 @@ from bench.modes import Mode, PinnedStack
 from bench.plans import Load
 from bench.stats import Config, itl_samples, summarize
 from bench.workloads import Prompt
-from router.launch import free_port
+from router.launch import stack_ports
 
 
 @dataclass
@@ -53,8 +53,7 @@ def start_stack(cfg: Config, s: Settings) -> PinnedStack:
     router_args = [*cfg.flags, "--max-num-batched-tokens", str(s.budget), "--k-max", str(s.k_max),
                    "--max-waiting", "4096", "--log-level", "WARNING"]
     stack = PinnedStack(s.models / "target", s.models / "draft" if cfg.draft else None,
-                        served_model_name=s.models.name, http_port=free_port(), grpc_port=free_port(),
-                        target_port=free_port(), draft_port=free_port(), service_args=s.mode.service_args(),
+                        served_model_name=s.models.name, **stack_ports(), service_args=s.mode.service_args(),
                         router_args=router_args, log_dir=log_dir, mode=s.mode)
     try:
         stack.start(timeout=180.0)

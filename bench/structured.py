@@ -23,7 +23,7 @@ import httpx
 import jsonschema
 
 from bench import prom
-from router.launch import Stack, free_port
+from router.launch import Stack, stack_ports
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "line": {"type": "integer"},
@@ -114,7 +114,7 @@ def measure(models: Path, n: int, log_dir: Path) -> dict:
     with the answers ("free", then "json_schema")."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(models / "target", models / "draft", served_model_name=models.resolve().name,
-                  http_port=free_port(), grpc_port=free_port(), target_port=free_port(), draft_port=free_port(),
+                  **stack_ports(),
                   router_args=["--log-level", "WARNING"], log_dir=log_dir)
     stack.start(timeout=300.0)
     try:

@@ -91,7 +91,7 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
         try:
             runs = run_config(cfg, settings, w.pair.name, w.loads, rate_of, warm, lambda r: bar.update(1),
                               lambda load, key=cfg.key: bar.set_description(f"{tag} ({key}) {load.name}"))
-        except (RuntimeError, TimeoutError, OSError) as err:  # one broken config must not sink an hour's run
+        except Exception as err:  # noqa: BLE001 - one broken config must not sink an hour's run
             failures.append(f"({cfg.key}): {err}")
             bar.write(f"{tag} ({cfg.key}) FAILED: {err} (logs in {log_dir}/config-{cfg.key}); going on")
             bar.update(sum(ld.n_requests for ld, _, _ in w.loads) - (bar.n - done_before))
@@ -112,7 +112,7 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
         bar.set_description(f"{tag} (hf) anchor")
         try:
             served = anchor.run_anchor(w.pair.path, w.used, mode, log_dir, lambda: bar.update(1))
-        except (RuntimeError, OSError) as err:
+        except Exception as err:  # noqa: BLE001 - as a config
             failures.append(f"(hf): {err}")
             bar.write(f"{tag} (hf) FAILED: {err}")
     if served is not None:
@@ -168,9 +168,11 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
         for mode in modes if "main" in args.workloads else ():
             entry = run_mode(w, mode, configs, with_anchor, args, samples)
             runs.append(entry)
+            report.save_partial(args.out, entry)
             figs += [f.row() for f in figures(w.pair.name, mode.name, entry["results"], w.profile)]
         for entry in features.run_features(w.pair, args.workloads, args.quick, args.seed, args.out, samples):
             feats.append(entry)
+            report.save_partial(args.out, entry)
             figs += [f.row() for f in feature_figures(entry)]
     data = {
         "meta": {"command": shlex.join(["python", "-m", "bench", *argv]),
@@ -201,7 +203,8 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
     failed = [f"{r['pair']} {r['mode']} {f}" for r in runs for f in r["failures"]] + features.problems(feats)
     if mismatches or errors or failed:
         print(f"FAILED: {mismatches} output mismatches across configs and modes, {errors} failed requests, "
-              f"{len(failed)} configs or workloads that did not run or answered wrong (details in {js})" + "".join(f"\n  {f}" for f in failed))
+              f"{len(failed)} configs or workloads that did not run or answered wrong (details in {js})"
+              + "".join(f"\n  {f}" for f in failed))
         return 1
     for w in work if "main" in args.workloads else ():
         c = w.check.report()

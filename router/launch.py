@@ -13,6 +13,7 @@ all three: the router first, then the services, each given time to finish what i
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -30,9 +31,25 @@ from common.tls import TLSFiles
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports: all n sockets are held bound together, since ports asked for one
+    at a time may come back equal (seen: a router given its target's port answered /ready in HTTP/2)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def stack_ports() -> dict[str, int]:
+    """Distinct free ports for a Stack's four listeners, as its keyword arguments."""
+    return dict(zip(("http_port", "grpc_port", "target_port", "draft_port"), free_ports(4), strict=True))
 
 
 def _grpc_serving(address: str, timeout: float = 1.0, tls: TLSFiles | None = None) -> bool:
@@ -56,7 +73,7 @@ def _http_ok(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = No
     try:
         with urllib.request.urlopen(url, timeout=timeout, context=context) as r:  # noqa: S310 - loopback only
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # HTTPException: something not HTTP/1 answered there
         return False
 
 

@@ -98,6 +98,26 @@ def test_feature_sections_render_from_saved_json(tmp_path: Path) -> None:
     assert summary_lines(rows)[-1].startswith("6 passed, 0 missed")
 
 
+def test_a_workload_that_raises_anything_is_recorded_as_failed_and_the_run_goes_on(monkeypatch, tmp_path) -> None:
+    from http.client import BadStatusLine
+
+    from bench import multiturn, structured
+    from bench.pairs import Pair
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise BadStatusLine("\x00\x00\x12\x04")  # what a router port taken by a gRPC server gave
+
+    monkeypatch.setattr(structured, "measure", crash)
+    monkeypatch.setattr(multiturn, "measure", crash)
+    pair = Pair(tmp_path / "demo")
+    monkeypatch.setattr(Pair, "max_model_len", property(lambda self: 2048))
+    entries = features.run_features(pair, ["structured", "multiturn"], True, 0, tmp_path, {}, say=lambda _: None)
+    assert [(e["workload"], e["status"]) for e in entries] == [("structured", "failed"), ("multiturn", "failed")]
+    assert all("BadStatusLine" in e["reason"] for e in entries)
+    saved = report.save_partial(tmp_path, entries[0])
+    assert saved.name == "demo-shared-structured.json" and json.loads(saved.read_text())["status"] == "failed"
+
+
 @pytest.mark.slow
 def test_bench_runs_the_feature_workloads_on_a_real_stack(model_pair, tmp_path: Path) -> None:
     """python -m bench --workloads structured,multiturn on the tiny pair: both run on real stacks, their

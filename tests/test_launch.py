@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from router.launch import free_port
+from router.launch import _http_ok, free_port, free_ports, stack_ports
 
 
 def _get(url: str) -> dict:
@@ -32,7 +32,7 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
     report.write_text(json.dumps({"partial": True, "gates": [
         {"name": "acceptance_k4_chat", "ok": False, "text": "chat acceptance at k=4 0.092, need >= 0.55"}]}))
     port = free_port()
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(x) for x in free_ports(3)]
     err = (tmp_path / "stderr").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "router.launch", str(pair), "--port", str(port),
                              "--grpc-port", ports[0], "--target-port", ports[1], "--draft-port", ports[2]],
@@ -57,3 +57,38 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
         if proc.poll() is None:
             proc.kill()
         report.unlink()
+
+
+def test_ports_asked_together_are_distinct_and_free():
+    import socket
+
+    for _ in range(50):
+        ports = free_ports(4)
+        assert len(set(ports)) == 4
+    assert set(stack_ports()) == {"http_port", "grpc_port", "target_port", "draft_port"}
+    for port in free_ports(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # nobody holds it
+
+
+def test_readiness_probe_says_not_ready_when_something_else_answers_on_the_port():
+    """A gRPC (HTTP/2) server on the router's port answers /ready with bytes that are not HTTP/1:
+    not ready, not a crash of whoever is waiting."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def answer() -> None:
+        conn, _ = srv.accept()
+        conn.recv(1024)
+        conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00\x00\x03\x7f\xff\xff\xff")  # an HTTP/2 SETTINGS frame
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        assert _http_ok(f"http://127.0.0.1:{srv.getsockname()[1]}/ready", timeout=5) is False
+    finally:
+        srv.close()
