@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from bench.features import DEFAULT_WORKLOADS
+
 DESCRIPTION = """\
 Tandem's latency and throughput story, side by side in one run, for each model pair and each
 mode. For each configuration it starts the stack (target + draft + router, three processes on
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=float, default=0.0,
                    help="req/s that Poisson rate fractions refer to (0: measure the first config at c=16)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, output lengths and arrivals")
-    p.add_argument("--workloads", default="main,structured,multiturn",
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS,
                    help="comma-separated subset of main (configs x loads x modes, above), structured (JSON-schema "
                         "constrained vs free answers, #18) and multiturn (chat with and without prefix caching, "
                         "#17); the last two run once per pair, shared mode only")

@@ -41,11 +41,6 @@ def _entry(workload: str, pair: Pair, status: str, reason: str = "", **rest: obj
             "seconds": 0.0, "settings": {}, "results": {}, **rest}
 
 
-# Whatever a workload raises is recorded as its failure: an hour of other results must not be lost to
-# one crash (a stack that would not start, an HTTP error, a bad answer, a bug).
-CRASHES = (Exception,)
-
-
 def run_structured(pair: Pair, quick: bool, log_dir: Path, samples: dict) -> dict:
     from bench import structured
 
@@ -55,7 +50,7 @@ def run_structured(pair: Pair, quick: bool, log_dir: Path, samples: dict) -> dic
     t0 = time.monotonic()
     try:
         res = structured.measure(pair.path, n, log_dir)
-    except CRASHES as err:
+    except Exception as err:  # noqa: BLE001 - recorded as its failure: the run's other results must not be lost
         return _entry("structured", pair, "failed", f"{type(err).__name__}: {err} (logs in {log_dir})",
                       settings=settings, seconds=time.monotonic() - t0)
     samples.setdefault("structured", {})[pair.name] = {name: r.pop("answers") for name, r in res.items()}
@@ -72,7 +67,7 @@ def run_multiturn(pair: Pair, quick: bool, seed: int, log_dir: Path, samples: di
     t0 = time.monotonic()
     try:
         shape, modes = multiturn.measure(pair.path, quick, seed, log_dir)
-    except CRASHES as err:
+    except Exception as err:  # noqa: BLE001 - as above
         return _entry("multiturn", pair, "failed", f"{type(err).__name__}: {err} (logs in {log_dir})",
                       seconds=time.monotonic() - t0)
     on, off = modes
