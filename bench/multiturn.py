@@ -13,7 +13,8 @@ acceptance (accepted / drafted tokens), and per service the prefix-cache hit rat
 tokens, from the router's tandem:prefix_cache_* counters). The criteria of issue #17: TTFT p50 with
 caching <= 0.3x without, tokens/s not lower, acceptance unchanged (within 0.05).
 
-Conversation sizes follow the model's context: the last turn fills about 80% of it (answers
+Conversation sizes follow the model's context, up to 2048 tokens (SmolLM2's 8192 would make the
+workload last hours on CPU): the last turn fills about 80% of it (answers
 re-tokenized by the chat template can come back longer than they were generated). The step budget
 defaults to 1/8 of the context (64 tokens on the 512-token tiny pair, 256 at 2048), so a full history
 takes several steps to prefill, as long prompts do on a real pair.
@@ -59,9 +60,14 @@ class Shape:
     budget: int
 
 
+CONTEXT_CAP = 2048  # conversations use at most this much of a longer context: a full 8k one costs CPU hours
+
+
 def shape_for(max_len: int, quick: bool) -> Shape:
-    """The last turn's prompt plus its answer fills ~80% of the context: a system prompt of at least 64
-    tokens and 5 turns (4 with quick; fewer where the context is short, at least 2)."""
+    """The last turn's prompt plus its answer fills ~80% of the context (of CONTEXT_CAP where the model's
+    is longer): a system prompt of at least 64 tokens and 5 turns (4 with quick; fewer where the context
+    is short, at least 2)."""
+    max_len = min(max_len, CONTEXT_CAP)
     reply = user = max(8, max_len // 20)
     overhead = 16  # the chat template's role markers per message, and answers that re-tokenize longer
     per_turn = user + reply + 2 * overhead

@@ -15,6 +15,7 @@ def test_the_last_turn_fits_the_context_and_the_script_is_deterministic(model_pa
         shape = shape_for(max_len, quick)
         worst = shape.system_tokens + shape.turns * (shape.user_tokens + shape.reply_tokens + 32)
         assert worst <= 0.8 * max_len and shape.budget == max_len // 8
+    assert shape_for(8192, quick=False) == shape_for(2048, quick=False)  # a long context is not filled
     shape = shape_for(512, quick=True)
     system, convs = script(tok, shape, seed=0)
     assert (system, convs) == script(tok, shape, seed=0) and script(tok, shape, seed=1)[1] != convs
