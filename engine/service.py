@@ -183,44 +183,54 @@ class ModelWorker:
             raise InvalidInput("lease", str(e)) from None
 
 
-def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def rpc_errors(method: Callable[..., Awaitable[T]] | None = None, *,
+               name: str = "") -> Callable[..., Awaitable[T]] | Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
     """Map engine exceptions to gRPC status codes; nothing but the failing call is affected.
-    Each call logs with its sequences' ids and is traced when its caller traces (engine.rpc_trace)."""
+    Each call logs with its sequences' ids and is traced when its caller traces (engine.rpc_trace).
+    `@rpc_errors(name="StepStream")` names a message handler of a stream after its RPC."""
+    if method is None:
+        return functools.partial(rpc_errors, name=name)  # type: ignore[return-value]
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
-        name = f"{getattr(self, 'rpc_service', type(self).__name__)}/{method.__name__}"
-        with rpc_scope(getattr(self, "tracing", None), name, request, context) as span:
+        rpc = f"{getattr(self, 'rpc_service', type(self).__name__)}/{name or method.__name__}"
+        with rpc_scope(getattr(self, "tracing", None), rpc, request, context) as span:
             try:
                 response = await method(self, request, context)
                 annotate(span, response)
                 return response
-            except InvalidInput as e:
-                log.warning("%s refused: %s", name, e)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except CacheMiss as e:
-                log.info("%s: %s", name, e)
-                context.set_trailing_metadata(((CACHE_MISS_METADATA, ",".join(map(str, e.seq_ids))),))
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            except NotOwner as e:
-                log.info("%s: %s", name, e)
-                context.set_trailing_metadata(((NOT_OWNER_METADATA, e.owner),))
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            except KVCacheExhausted as e:
-                log.warning("%s: %s", name, e)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except DeadlineExpired as e:
-                log.info("%s: %s", name, e)
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
             except grpc.aio.AbortError:
                 raise
-            except Exception:  # a bug or a fault: the caller gets a short answer, the log the whole story
-                log_id = uuid.uuid4().hex[:12]
-                log.exception("%s failed [log id %s]", name, log_id)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})")
+            except Exception as e:  # noqa: BLE001 - every failure becomes a status: _abort raises
+                await _abort(rpc, e, context)
         raise AssertionError("unreachable")  # abort() raises
 
     return wrapper
+
+
+async def _abort(rpc: str, e: Exception, context: grpc.aio.ServicerContext) -> None:
+    """End the call with the status `e` maps to (abort raises AbortError)."""
+    if isinstance(e, InvalidInput):
+        log.warning("%s refused: %s", rpc, e)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    elif isinstance(e, CacheMiss):
+        log.info("%s: %s", rpc, e)
+        context.set_trailing_metadata(((CACHE_MISS_METADATA, ",".join(map(str, e.seq_ids))),))
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    elif isinstance(e, NotOwner):
+        log.info("%s: %s", rpc, e)
+        context.set_trailing_metadata(((NOT_OWNER_METADATA, e.owner),))
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    elif isinstance(e, KVCacheExhausted):
+        log.warning("%s: %s", rpc, e)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    elif isinstance(e, DeadlineExpired):
+        log.info("%s: %s", rpc, e)
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+    else:  # a bug or a fault: the caller gets a short answer, the log the whole story
+        log_id = uuid.uuid4().hex[:12]
+        log.error("%s failed [log id %s]", rpc, log_id, exc_info=e)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})")
 
 
 class DeadlineExpired(Exception):
@@ -256,10 +266,12 @@ async def serve(
     stop: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
     transport: Transport | None = None,
+    on_shutdown: Callable[[], None] = lambda: None,
 ) -> None:
     """Run a gRPC server with health and reflection until SIGTERM/SIGINT (or `stop` is set,
     for in-process use), then refuse new calls, let the one in flight finish and stop.
-    transport: TLS and a health-only port (default: plaintext, no health-only port)."""
+    transport: TLS and a health-only port (default: plaintext, no health-only port).
+    on_shutdown: called as shutdown begins (the target ends its open step streams)."""
     transport = transport or Transport()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
     register(server)
@@ -283,6 +295,7 @@ async def serve(
     t0 = time.perf_counter()
     log.info("shutting down: not serving new calls, letting the one in flight finish (up to %.0fs)", grace_seconds)
     await health_servicer.enter_graceful_shutdown()
+    on_shutdown()
     await server.stop(grace_seconds)
     if probes is not None:
         await probes.stop(0)

@@ -7,6 +7,7 @@ that follow and closes the old one once the calls on it are done (grace: the cal
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -50,6 +51,8 @@ class Rejected(Exception):
         self.details = details
 
 
+STREAM_LIFETIME_S = 300.0  # a step stream is replaced this often (its deadline: this plus two step timeouts)
+STREAM_IDLE_S = 1.0  # and closed after this long without a step
 _DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 _BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
            grpc.StatusCode.UNIMPLEMENTED}
@@ -134,12 +137,75 @@ class _Client:
 
 
 class TargetClient(_Client):
+    """Steps go over one StepStream kept open while the router has work (a write and a read per step,
+    no call setup: about half a unary call's round trip); a traced step is a unary Step, since its
+    trace context travels as call metadata. The stream is closed when the router idles, when it fails,
+    and every STREAM_LIFETIME_S, so its deadline can be finite; each step has its own (timeout_s)."""
+
     _stub_class = target_pb2_grpc.TargetServiceStub
+
+    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None, router_id: str = "") -> None:
+        super().__init__(address, timeout_s, tls, router_id)
+        self._stream: grpc.aio.StreamStreamCall | None = None
+        self._stream_stub = None  # the stub (so the channel) the stream belongs to
+        self._stream_until = 0.0
+        self._last_step = 0.0
+        self._stepping = asyncio.Lock()  # one step at a time on a stream: responses come back in order
 
     async def step(self, entries: list[target_pb2.StepEntry],
                    metadata: tuple[tuple[str, str], ...] | None = None) -> target_pb2.StepResponse:
         """metadata: the trace context, when tracing."""
-        return await self._call(self.stub.Step, target_pb2.StepRequest(entries=entries), metadata=metadata)
+        request = target_pb2.StepRequest(entries=entries)
+        if metadata:
+            return await self._call(self.stub.Step, request, metadata=metadata)
+        async with self._stepping:
+            return await self._streamed(request)
+
+    async def _streamed(self, request: target_pb2.StepRequest) -> target_pb2.StepResponse:
+        stub = self.stub
+        if self._stream is None or self._stream_stub is not stub or time.monotonic() > self._stream_until:
+            self.close_stream()
+            self._stream = stub.StepStream(timeout=STREAM_LIFETIME_S + 2 * self.timeout_s, metadata=self._metadata)
+            self._stream_stub, self._stream_until = stub, time.monotonic() + STREAM_LIFETIME_S
+        request.timeout_ms = int(self.timeout_s * 1000)
+        call = self._stream
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await call.write(request)
+                response = await call.read()
+        except TimeoutError:
+            self.close_stream()
+            raise ServiceDown(f"DEADLINE_EXCEEDED: no step result within {self.timeout_s:.0f}s") from None
+        except grpc.aio.AioRpcError as err:
+            self.close_stream()
+            raise _translate(err) from None
+        except asyncio.InvalidStateError:  # the service ended the stream (shutting down) before this write
+            self.close_stream()
+            raise ServiceDown("UNAVAILABLE: the target ended its step stream") from None
+        except BaseException:  # cancelled mid-step: the stream's next read would be this step's answer
+            self.close_stream()
+            raise
+        if response is grpc.aio.EOF:
+            self.close_stream()
+            raise ServiceDown("UNAVAILABLE: the target ended its step stream (shutting down)")
+        self._last_step = time.monotonic()
+        return response
+
+    def idle(self) -> None:
+        """The router had nothing to step: after STREAM_IDLE_S of that its stream is closed, so that a
+        service shutting down does not wait its grace period for an idle stream."""
+        if self._stream is not None and time.monotonic() - self._last_step > STREAM_IDLE_S:
+            self.close_stream()
+
+    def close_stream(self) -> None:
+        """Idle, failed or too old: the service's handler ends (or, cancelled, forgets) it."""
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+
+    async def close(self) -> None:
+        self.close_stream()
+        await super().close()
 
 
 class DraftClient(_Client):

@@ -79,6 +79,7 @@ class StepLoop:
             self._suspects.remove(only)  # it cannot run now (preempted, waiting): it is no longer a suspect
             return True
         if plan.empty:
+            self.target.idle()
             if self.draft.up and self.draft.idle:
                 work = self.spec.waiting_work()
                 self.draft.launch(work, self.tracer.step(None, self.steps) if self.tracer is not None else None)

@@ -7,9 +7,11 @@ All model work (validation against cache state included) runs on the ModelWorker
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 import grpc
@@ -67,6 +69,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.runner: ModelRunner = worker.runner
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
         self.history = TokenHistory()  # token ids of sequences with penalties (engine/logits.py)
+        self._closing = False  # shutdown began: step streams end (close_streams)
+        self._waiting_streams: set[asyncio.Task] = set()  # StepStream handlers waiting for their next step
         worker.on_release.append(self.history.release)
 
     # ---- RPCs -----------------------------------------------------------------------------
@@ -79,6 +83,40 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Step(self, request: target_pb2.StepRequest, context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
         self.worker.lease.check(context)
         return await self.worker.run(self.step, request, call_deadline(context))
+
+    async def StepStream(self, requests: AsyncIterator[target_pb2.StepRequest],
+                         context: grpc.aio.ServicerContext) -> None:
+        """Steps over one long-lived stream: a failing step ends it with that step's status (abort).
+        Shutting down ends a stream waiting for its next step at once, one in a step after that step,
+        as Step refuses calls from then on."""
+        task = asyncio.current_task()
+        assert task is not None
+        while not self._closing:
+            self._waiting_streams.add(task)
+            try:
+                request = await context.read()
+            except asyncio.CancelledError:
+                if self._closing:
+                    return  # close_streams(): the caller reads the end of the stream
+                raise
+            finally:
+                self._waiting_streams.discard(task)
+            if request is grpc.aio.EOF:
+                return
+            await context.write(await self._streamed_step(request, context))
+
+    @rpc_errors(name="StepStream")
+    async def _streamed_step(self, request: target_pb2.StepRequest,
+                             context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
+        self.worker.lease.check(context)
+        deadline = time.monotonic() + request.timeout_ms / 1000 if request.timeout_ms else None
+        return await self.worker.run(self.step, request, deadline)
+
+    def close_streams(self) -> None:
+        """Shutdown began: no step stream is kept open for a next step (serve()'s on_shutdown)."""
+        self._closing = True
+        for task in self._waiting_streams:
+            task.cancel()
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,

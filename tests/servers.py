@@ -31,7 +31,8 @@ class RunningServer:
 
 
 def start_server(register: Callable[[grpc.aio.Server], None], service_name: str, port: int = 0,
-                 grace_seconds: float = 5.0, transport: Transport | None = None) -> RunningServer:
+                 grace_seconds: float = 5.0, transport: Transport | None = None,
+                 on_shutdown: Callable[[], None] = lambda: None) -> RunningServer:
     started = threading.Event()
     box: dict = {}
 
@@ -47,7 +48,7 @@ def start_server(register: Callable[[grpc.aio.Server], None], service_name: str,
 
         try:
             loop.run_until_complete(serve(register, service_name, "127.0.0.1", port, grace_seconds, stop, on_started,
-                                          transport or Transport()))
+                                          transport or Transport(), on_shutdown))
         finally:
             started.set()
             loop.close()

@@ -36,16 +36,17 @@ def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_si
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu",
                                                       max_batch_tokens=max_batch_tokens))
     servicer = target_server.create_servicer(runner, tracing=tracing, fail_on_token=fail_on_token)
-    if step_delay_s:
-        step = servicer.Step
+    if step_delay_s:  # both ways a router steps: a unary Step and each step of a StepStream
+        def slowed(step):  # noqa: ANN001, ANN202
+            async def slow_step(request, context):  # noqa: ANN001, ANN202
+                await asyncio.sleep(step_delay_s)
+                return await step(request, context)
+            return slow_step
 
-        async def slow_step(request, context):  # noqa: ANN001, ANN202
-            await asyncio.sleep(step_delay_s)
-            return await step(request, context)
-
-        servicer.Step = slow_step
+        servicer.Step = slowed(servicer.Step)
+        servicer._streamed_step = slowed(servicer._streamed_step)
     return start_server(lambda s: target_server.register(s, servicer), target_server.SERVICE_NAME, port,
-                        transport=transport), runner
+                        transport=transport, on_shutdown=servicer.close_streams), runner
 
 
 def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0, transport: Transport | None = None,

@@ -1,0 +1,117 @@
+"""TargetService.StepStream through the router's TargetClient, over real gRPC on loopback: the
+steps a router sends on its long-lived stream answer exactly as transformers decodes; a step that
+fails ends the stream with that step's error and the next step opens a new one; a step slower than
+its deadline fails as ServiceDown; a service shutting down does not wait its grace period for a
+stream that waits for its next step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from engine import EngineConfig, ModelRunner
+from router.clients import CacheMissError, ServiceDown, TargetClient
+from tandem.v1 import target_pb2
+from target_service.server import SERVICE_NAME, create_servicer, register
+from tests.conftest import SMALL, hf_greedy, write_checkpoint
+from tests.servers import start_server
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(LlamaConfig(**SMALL), tmp_path_factory.mktemp("stream-target"), seed=5)
+
+
+def serve(model_dir, grace_seconds: float = 5.0, step_delay_s: float = 0.0):
+    runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=64, block_size=4, device="cpu"))
+    servicer = create_servicer(runner, "tiny-target", max_draft_tokens=4)
+    if step_delay_s:
+        step = servicer._streamed_step
+
+        async def slow(request, context):  # noqa: ANN001, ANN202
+            await asyncio.sleep(step_delay_s)
+            return await step(request, context)
+
+        servicer._streamed_step = slow
+    return start_server(lambda s: register(s, servicer), SERVICE_NAME, grace_seconds=grace_seconds,
+                        on_shutdown=servicer.close_streams)
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(0, SMALL["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def entry(seq_id: int, start_pos: int, tokens: list[int]) -> target_pb2.StepEntry:
+    return target_pb2.StepEntry(seq_id=seq_id, start_pos=start_pos, tokens=tokens, emit=True)
+
+
+def test_steps_over_the_stream_decode_like_transformers_and_a_failed_step_costs_only_itself(model_dir):
+    server = serve(model_dir)
+    ids = prompt(12)
+    ref = hf_greedy(model_dir, ids, 6)
+
+    async def run() -> list[int]:
+        client = TargetClient(server.address, timeout_s=30)
+        try:
+            [r] = (await client.step([entry(1, 0, ids)])).results
+            got = list(r.tokens)
+            first = client._stream
+            with pytest.raises(CacheMissError):  # seq 1 holds 12 tokens, not 40
+                await client.step([entry(1, 40, [got[-1]])])
+            assert client._stream is None  # the failed step ended the stream
+            for _ in range(5):
+                [r] = (await client.step([entry(1, 12 + len(got) - 1, [got[-1]])])).results
+                got += list(r.tokens)
+            assert client._stream is not None and client._stream is not first  # a new one, kept open
+            return got
+        finally:
+            await client.close()
+
+    try:
+        assert asyncio.run(run()) == ref
+    finally:
+        server.stop()
+
+
+def test_a_step_slower_than_its_deadline_is_service_down_and_the_next_step_works(model_dir):
+    server = serve(model_dir, step_delay_s=1.5)
+
+    async def run() -> None:
+        client = TargetClient(server.address, timeout_s=0.5)
+        try:
+            with pytest.raises(ServiceDown, match="DEADLINE_EXCEEDED"):
+                await client.step([entry(1, 0, prompt(8))])
+            assert client._stream is None
+            client.timeout_s = 30  # the service is slow, not gone: a patient step gets its answer
+            [r] = (await client.step([entry(2, 0, prompt(8))])).results
+            assert r.cached_len == 8 and len(r.tokens) == 1
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()
+
+
+def test_shutdown_ends_a_stream_waiting_for_its_next_step_at_once(model_dir):
+    grace = 60.0
+    server = serve(model_dir, grace_seconds=grace)
+
+    async def run() -> None:
+        client = TargetClient(server.address, timeout_s=30)
+        try:
+            await client.step([entry(1, 0, prompt(8))])  # the stream stays open, waiting
+            t0 = time.monotonic()
+            await asyncio.to_thread(server.stop, grace + 10)
+            assert time.monotonic() - t0 < grace / 3, "shutdown waited for the idle stream"
+            with pytest.raises(ServiceDown):
+                await client.step([entry(1, 8, [1])])
+        finally:
+            await client.close()
+
+    asyncio.run(run())
