@@ -167,8 +167,8 @@ async def drive(url: str, model: str, system: str, conversations: list[list[str]
 def run_mode(mode: str, models: Path, system: str, conversations: list[list[str]], shape: Shape,
              router_args: list[str], log_dir: Path) -> ModeResult:
     ports = stack_ports()
-    stack = Stack(models / "target", models / "draft", router_args=["--max-num-batched-tokens", str(shape.budget),
-                                                                     *router_args], log_dir=log_dir, **ports)
+    stack = Stack(models / "target", models / "draft", served_model_name=models.resolve().name,
+                  router_args=["--max-num-batched-tokens", str(shape.budget), *router_args], log_dir=log_dir, **ports)
     log_dir.mkdir(parents=True, exist_ok=True)
     stack.start()
     try:
