@@ -67,7 +67,7 @@ def test_every_line_about_a_request_names_it(model_pair, captured):
     tracing = {name: Tracing(name, exporter, batch=False) for name in ("tandem-router", "tandem-target",
                                                                          "tandem-draft")}
     target_dir, draft_dir = model_pair
-    target, _ = start_target(target_dir, num_blocks=24, step_delay_s=REALISTIC_STEP_S,  # small: it preempts
+    target, _ = start_target(target_dir, num_blocks=18, step_delay_s=REALISTIC_STEP_S,  # small: it preempts
                              tracing=tracing["tandem-target"])
     draft, _ = start_draft(draft_dir, tracing=tracing["tandem-draft"])
     config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=8, dynamic_k=False,
@@ -76,7 +76,7 @@ def test_every_line_about_a_request_names_it(model_pair, captured):
     try:
         def one(i: int) -> str:
             body = {"model": "tiny", "prompt": [(3 * i + 7 * j) % 300 + 2 for j in range(60 + 8 * i)],
-                    "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+                    "max_tokens": 56, "temperature": 0, "ignore_eos": True}
             r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             return r.json()["id"]
