@@ -32,7 +32,8 @@ REALISTIC_STEP_S = 0.015
 
 def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_size: int = 16,
                  step_delay_s: float = 0.0, transport: Transport | None = None, fail_on_token: int = -1,
-                 max_batch_tokens: int = 2048, tracing: Tracing | None = None) -> tuple[RunningServer, ModelRunner]:
+                 max_batch_tokens: int = 2048, tracing: Tracing | None = None,
+                 grace_seconds: float = 5.0) -> tuple[RunningServer, ModelRunner]:
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu",
                                                       max_batch_tokens=max_batch_tokens))
     servicer = target_server.create_servicer(runner, tracing=tracing, fail_on_token=fail_on_token)
@@ -46,7 +47,7 @@ def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_si
         servicer.Step = slowed(servicer.Step)
         servicer._streamed_step = slowed(servicer._streamed_step)
     return start_server(lambda s: target_server.register(s, servicer), target_server.SERVICE_NAME, port,
-                        transport=transport, on_shutdown=servicer.close_streams), runner
+                        grace_seconds=grace_seconds, transport=transport, on_shutdown=servicer.close_streams), runner
 
 
 def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0, transport: Transport | None = None,

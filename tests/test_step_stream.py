@@ -13,12 +13,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from engine import EngineConfig, ModelRunner
 from router.clients import CacheMissError, ServiceDown, TargetClient
 from tandem.v1 import target_pb2
-from target_service.server import SERVICE_NAME, create_servicer, register
 from tests.conftest import SMALL, hf_greedy, write_checkpoint
-from tests.servers import start_server
+from tests.stack import start_target
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +25,9 @@ def model_dir(tmp_path_factory):
 
 
 def serve(model_dir, grace_seconds: float = 5.0, step_delay_s: float = 0.0):
-    runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=64, block_size=4, device="cpu"))
-    servicer = create_servicer(runner, "tiny-target", max_draft_tokens=4)
-    if step_delay_s:
-        step = servicer._streamed_step
-
-        async def slow(request, context):  # noqa: ANN001, ANN202
-            await asyncio.sleep(step_delay_s)
-            return await step(request, context)
-
-        servicer._streamed_step = slow
-    return start_server(lambda s: register(s, servicer), SERVICE_NAME, grace_seconds=grace_seconds,
-                        on_shutdown=servicer.close_streams)
+    server, _ = start_target(model_dir, num_blocks=64, block_size=4, step_delay_s=step_delay_s,
+                             grace_seconds=grace_seconds)
+    return server
 
 
 def prompt(n: int) -> list[int]:
