@@ -183,8 +183,10 @@ class ModelWorker:
             raise InvalidInput("lease", str(e)) from None
 
 
-def rpc_errors(method: Callable[..., Awaitable[T]] | None = None, *,
-               name: str = "") -> Callable[..., Awaitable[T]] | Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+Handler = Callable[..., Awaitable[T]]
+
+
+def rpc_errors(method: Handler | None = None, *, name: str = "") -> Handler | Callable[[Handler], Handler]:
     """Map engine exceptions to gRPC status codes; nothing but the failing call is affected.
     Each call logs with its sequences' ids and is traced when its caller traces (engine.rpc_trace).
     `@rpc_errors(name="StepStream")` names a message handler of a stream after its RPC."""
