@@ -23,7 +23,6 @@ class PromptLookup:
         self.n_min, self.n_max = n_min, n_max
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence (indexed so far)
         self._indexed = 0  # n-grams ending at positions <= this are in the index
-        self.dry = 0  # proposals in a row that found no earlier occurrence
 
     def propose(self, history: Seq[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of the history's suffix."""
@@ -32,9 +31,7 @@ class PromptLookup:
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             at = self._last.get(tuple(history[end - n:end]))
             if at is not None:
-                self.dry = 0
                 return list(history[at:min(at + k, end)])
-        self.dry += 1
         return []
 
     def _index(self, history: Seq[int], upto: int) -> None:

@@ -1,5 +1,6 @@
 """The step loop: schedule, send the target one mixed Step, hand the draft its work for the same
-step in the background, apply what the target emitted. The target never waits for the draft.
+step in the background, apply what the target emitted. The target does not wait for the draft
+(but for a call due within a fraction of a step: Speculator.await_nearly_done).
 
     iteration t:   schedule (decodes use the prepared proposal that continues their history)
                    target.Step(decodes + chunks)   ||   draft.Propose(chunks mirrored; branches for the
@@ -66,7 +67,7 @@ class StepLoop:
         if self._pending_release:
             ids, self._pending_release = self._pending_release, []
             await self.release_now(ids)
-        draft_ms = 0.0 if self.config.pipeline else await self.spec.sequential_proposals()
+        draft_ms = await (self.spec.await_nearly_done() if self.config.pipeline else self.spec.sequential_proposals())
         self.spec.new_step()
         only = self._next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
@@ -82,14 +83,17 @@ class StepLoop:
             self.target.idle()
             if self.draft.up and self.draft.idle:
                 work = self.spec.waiting_work()
-                self.draft.launch(work, self.tracer.step(None, self.steps) if self.tracer is not None else None)
+                self.draft.launch(work, self.tracer.step(None, self.steps) if self.tracer is not None else None,
+                                  self.spec.expected_ms(work))
                 return bool(work.entries) or draft_ms > 0
             return draft_ms > 0
         entries, sent = self._entries(plan)
         dispatched(plan)
         trace = self.tracer.step(plan, self.steps) if self.tracer is not None else None
         if self.draft.up and self.draft.idle:
-            self.draft.launch(self.spec.step_work(plan, sent), trace)
+            work = self.spec.step_work(plan, sent)
+            self.draft.launch(work, trace, self.spec.expected_ms(work))
+        draft_busy = not self.draft.idle  # working alongside this step: the target may run slower
         t_target = time.perf_counter()
         try:
             with trace.target_call(plan) if trace is not None else nullcontext(None) as metadata:
@@ -114,7 +118,7 @@ class StepLoop:
             self._suspects.remove(only)  # it ran alone without fault: another sequence caused it
         target_wall_ms = (time.perf_counter() - t_target) * 1000
         self._apply(plan, sent, response)
-        self._record(plan, response, draft_ms, target_wall_ms, t_start)
+        self._record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy)
         if trace is not None:
             trace.end(plan, sent, response, self.spec, self.draft.up)
         return True
@@ -197,10 +201,10 @@ class StepLoop:
                 self._emit(c.seq, list(res.tokens), _logprobs(res))
 
     def _record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
-                t_start: float) -> None:
+                t_start: float, draft_busy: bool) -> None:
         self.steps += 1
         tokens = plan.num_tokens
-        self.spec.cost.observe(tokens, target_wall_ms)  # wall time, RPC included: comparable with the draft's
+        self.spec.observe_step(plan, target_wall_ms, draft_busy)  # wall time, RPC included: like the draft's
         self.metrics.step_tokens.observe(tokens)
         total_ms = (time.perf_counter() - t_start) * 1000
         self._parts["target"].observe(response.forward_ms / 1000)

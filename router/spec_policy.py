@@ -2,11 +2,13 @@
 
 Expected tokens one verification of k drafts emits, for per-token acceptance a:
     E(k) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
-The target's step time grows with the tokens it scores, t(N) = alpha + beta * N (fitted online
-from the target's forward times). SmartSpec-style, the policy raises the k of whichever sequence
-gains most until goodput (P + sum(E_i)) / t(N) stops improving, P the prompt tokens the step also
-processes: large batches and prefill-heavy steps are compute-bound (beta*N dominates) and get small k;
-a sequence whose drafts keep failing has a small a and drops to 0.
+The target's step time grows with the tokens it scores and the sequences they belong to,
+t(N, S) = alpha + beta * N + gamma * S (fitted online from the router's step wall times).
+SmartSpec-style, the policy adds draft tokens while goodput (P + sum(E_i)) / t stops improving,
+P the prompt tokens the step also processes: large batches and prefill-heavy steps are
+compute-bound (beta*N dominates) and get small k; a sequence whose drafts keep failing has a
+small a and drops to 0. The draft's cost (DraftCost) enters as the share of steps its proposals
+are ready for when pipelined, as time added to the step when sequential.
 """
 
 from __future__ import annotations
@@ -44,98 +46,150 @@ class AcceptanceTracker:
 
 
 @dataclass
+class Contention:
+    """How much slower the target's steps run while the draft works (draft and target sharing cores or
+    a GPU): decayed mean of observed / modelled step time on steps with the draft busy, over the same
+    on steps with it idle. 1.0 until both kinds have been seen a few times, and never below 1."""
+
+    busy: float = 0.0
+    n_busy: float = 0.0
+    idle: float = 0.0
+    n_idle: float = 0.0
+    decay: float = 0.98
+
+    def observe(self, observed_ms: float, modelled_ms: float, draft_busy: bool) -> None:
+        ratio = observed_ms / max(modelled_ms, 1e-6)
+        self.busy, self.n_busy = self.decay * self.busy, self.decay * self.n_busy
+        self.idle, self.n_idle = self.decay * self.idle, self.decay * self.n_idle
+        if draft_busy:
+            self.busy, self.n_busy = self.busy + ratio, self.n_busy + 1
+        else:
+            self.idle, self.n_idle = self.idle + ratio, self.n_idle + 1
+
+    @property
+    def factor(self) -> float:
+        if self.n_busy < 4 or self.n_idle < 4:
+            return 1.0
+        return max(1.0, (self.busy / self.n_busy) / (self.idle / self.n_idle))
+
+
+@dataclass
 class StepCostModel:
-    """t(N) = alpha + beta * N, least squares over exponentially decayed observations."""
+    """t(N, S) = alpha + beta * N + gamma * S for a step scoring N tokens of S sequences: least squares
+    over exponentially decayed observations. Sequences cost apart from tokens (attention over each one's
+    paged KV, its sampling): measured on the demo pair on CPU, 4 sequences x 3 tokens took twice the
+    time of 1 x 10. Terms the data cannot determine keep their values: with one sequence per step
+    gamma is not separable from alpha; with one size seen only the level is fitted."""
 
     alpha: float = 10.0  # ms; priors from CPU measurements: 6 tokens cost ~1.6x one
     beta: float = 1.2
-    _n: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
+    gamma: float = 0.0
+    _sums: _Normal3 = field(default_factory=lambda: _Normal3())
 
-    def observe(self, tokens: int, ms: float, decay: float = 0.98) -> None:
-        self._n = decay * self._n + 1
-        self._sx = decay * self._sx + tokens
-        self._sy = decay * self._sy + ms
-        self._sxx = decay * self._sxx + tokens * tokens
-        self._sxy = decay * self._sxy + tokens * ms
-        var = self._n * self._sxx - self._sx**2
-        if self._n <= 4:
+    def observe(self, tokens: int, ms: float, seqs: int = 1, decay: float = 0.98) -> None:
+        s = self._sums
+        s.add((1.0, float(tokens), float(seqs)), ms, decay)
+        if s.n <= 4:
             return
-        if var > 1e-6 * max(1.0, self._sxx * self._n):
-            beta = (self._n * self._sxy - self._sx * self._sy) / var
-            alpha = (self._sy - beta * self._sx) / self._n
-            if beta > 0 and alpha > 0:
-                self.alpha, self.beta = alpha, beta
-                return
-        # one size seen so far: keep the slope, fit the level so the mean is right
-        alpha = (self._sy - self.beta * self._sx) / self._n
+        full = s.solve()
+        if full is not None and full[0] > 0 and full[1] > 0 and full[2] >= 0:
+            self.alpha, self.beta, self.gamma = full
+            return
+        line = s.solve_without(2, self.gamma)  # gamma kept: a line in N
+        if line is not None and line[0] > 0 and line[1] > 0:
+            self.alpha, self.beta = line[0], line[1]
+            return
+        # one size seen so far, or a slope that is noise: keep the slopes, fit the level so the mean is right
+        alpha = s.level(self.beta, self.gamma)
         if alpha > 0:
             self.alpha = alpha
 
-    def step_ms(self, tokens: int) -> float:
-        return self.alpha + self.beta * tokens
+    def step_ms(self, tokens: int, seqs: int = 1) -> float:
+        return self.alpha + self.beta * tokens + self.gamma * seqs
 
 
 @dataclass
 class DraftCost:
-    """What drafting adds to a step: a Propose call of r batched rounds costs alpha + beta * r
-    (fitted like the target's), and a step drafts max_k + 1 rounds for the next one (its drafts
-    plus the bonus guess). Pipelined, the slower of target and draft paces the step."""
+    """What drafting does to a step. A Propose call of r batched rounds over n sequences costs
+    alpha + beta * r + gamma * r * n (fitted like the target's), and a step drafts max_k + 1 rounds
+    for the next one (its drafts plus the bonus guess).
+    Sequential, the call precedes the step: the two add up. Pipelined, the target never waits for
+    the draft: the step costs the target's time (slowed by the draft's work where they share compute),
+    and a draft slower than the target has proposals ready for only target / draft of the steps."""
 
     model: StepCostModel = field(default_factory=lambda: StepCostModel(alpha=1.0, beta=0.5))
     pipelined: bool = True
+    slowdown: float = 1.0  # the target's step time while the draft works over without (Contention.factor)
 
-    def observe(self, ms: float, rounds: int) -> None:
+    def observe(self, ms: float, rounds: int, entries: int = 1) -> None:
         if rounds > 0:
-            self.model.observe(rounds, ms)
+            self.model.observe(rounds, ms, rounds * entries)
 
-    def step_ms(self, target_ms: float, max_k: int) -> float:
+    def call_ms(self, max_k: int, entries: int = 1) -> float:
+        return self.model.step_ms(max_k + 1, (max_k + 1) * entries)
+
+    def step(self, target_ms: float, max_k: int, entries: int = 1) -> tuple[float, float]:
+        """(the step's time, the share of steps the draft's proposals are ready for)."""
         if max_k == 0:
-            return target_ms
-        draft_ms = self.model.step_ms(max_k + 1)
-        return max(target_ms, draft_ms) if self.pipelined else target_ms + draft_ms
+            return target_ms, 1.0
+        draft_ms = self.call_ms(max_k, entries)
+        if not self.pipelined:
+            return target_ms + draft_ms, 1.0
+        step_ms = target_ms * self.slowdown
+        return step_ms, min(1.0, step_ms / draft_ms)
 
 
 def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCostModel,
-             draft: DraftCost | None = None, drafted: list[bool] | None = None) -> list[int]:
-    """Per-sequence k maximising (base_tokens + sum(E_i(k_i))) / t, each k_i <= caps[i], where t is
-    the target's step time t(base_tokens + sum(1 + k_i)) combined with the draft's max_k + 1 rounds
-    (overlapped when pipelining: the slower of the two paces the step). max_k is taken over the
-    sequences the draft model proposes for (`drafted`, default all): prompt-lookup guesses cost no
-    draft work.
+             draft: DraftCost | None = None, drafted: list[bool] | None = None, base_seqs: int = 0) -> list[int]:
+    """Per-sequence k maximising expected tokens per ms, each k_i <= caps[i]: the step emits
+    base_tokens + sum(E_i(k_i)), the draft's proposals counting only for the share of steps they are
+    ready for, and takes the target's t(base_tokens + sum(1 + k_i)) with the draft's max_k + 1 rounds
+    (DraftCost.step). max_k is taken over the sequences the draft model proposes for (`drafted`,
+    default all): prompt-lookup guesses cost no draft work and are always ready.
+
+    For each draft depth m (= max_k) the draft's cost is fixed and every extra draft token costs the
+    target the same, so the best ks take the increments E(a, j) - E(a, j - 1) = a^j in order of value
+    while they raise the goodput; the best m wins. (Raising k one sequence at a time instead stops
+    where deepening the draft for one sequence slows it for all, though deepening it for all pays.)
 
     base_tokens: tokens already in the step that are not verifications (prompt chunks). They count as
     useful work: a draft token is worth scoring only if its expected yield beats the step's per-token
-    rate, else it merely delays prefill (and in a full budget it displaces prompt tokens one for one)."""
+    rate, else it merely delays prefill (and in a full budget it displaces prompt tokens one for one).
+    base_seqs: the sequences those prompt tokens belong to (each costs the step gamma)."""
     draft = draft or DraftCost()
     drafted = drafted if drafted is not None else [True] * len(rates)
-    ks = [0] * len(rates)
+    deepest = max((c for c, d in zip(caps, drafted, strict=True) if d), default=0)
+    best_ks, best = [0] * len(rates), -1.0
+    for m in range(deepest + 1):
+        ks, goodput = _fill(rates, caps, drafted, m, base_tokens, base_seqs, cost, draft)
+        if goodput > best * 1.0001:
+            best_ks, best = ks, goodput
+    return best_ks
+
+
+def _fill(rates: list[float], caps: list[int], drafted: list[bool], depth: int, base_tokens: int, base_seqs: int,
+          cost: StepCostModel, draft: DraftCost) -> tuple[list[int], float]:
+    """The best ks with the draft drafting `depth` tokens deep, and their goodput."""
+    seqs, entries = base_seqs + len(rates), sum(drafted)
+
+    def goodput(tokens: int, looked: float, by_draft: float) -> tuple[float, float]:
+        step_ms, ready = draft.step(cost.step_ms(tokens, seqs), depth, entries)
+        return (base_tokens + len(rates) + looked + ready * by_draft) / step_ms, ready
+
     tokens = base_tokens + len(rates)
-
-    def step_ms(tokens: int, max_k: int) -> float:
-        return draft.step_ms(cost.step_ms(tokens), max_k)
-
-    gain = base_tokens + sum(expected_tokens(a, 0) for a in rates)
-    best = gain / step_ms(tokens, 0)
-    while True:
-        pick, pick_goodput = -1, best
-        max_k = max((k for k, d in zip(ks, drafted, strict=True) if d), default=0)
-        for i, a in enumerate(rates):
-            if ks[i] >= caps[i]:
-                continue
-            g = gain - expected_tokens(a, ks[i]) + expected_tokens(a, ks[i] + 1)
-            goodput = g / step_ms(tokens + 1, max(max_k, ks[i] + 1) if drafted[i] else max_k)
-            if goodput > pick_goodput * 1.0001:
-                pick, pick_goodput = i, goodput
-        if pick < 0:
-            return ks
-        gain += expected_tokens(rates[pick], ks[pick] + 1) - expected_tokens(rates[pick], ks[pick])
-        ks[pick] += 1
-        tokens += 1
-        best = pick_goodput
+    looked = by_draft = 0.0  # expected tokens beyond each verification's one, from lookup / from the draft
+    best, ready = goodput(tokens, 0.0, 0.0)
+    deepest = [min(c, depth) if d else c for c, d in zip(caps, drafted, strict=True)]
+    increments = sorted(((a ** j * (ready if d else 1.0), a ** j, i) for i, (a, d) in enumerate(zip(rates, drafted,
+                         strict=True)) for j in range(1, deepest[i] + 1)), reverse=True)
+    ks = [0] * len(rates)
+    for _, more, i in increments:
+        trial = goodput(tokens + 1, looked + (0.0 if drafted[i] else more), by_draft + (more if drafted[i] else 0.0))[0]
+        if trial <= best * 1.0001:
+            break
+        tokens, best, ks[i] = tokens + 1, trial, ks[i] + 1
+        looked, by_draft = (looked, by_draft + more) if drafted[i] else (looked + more, by_draft)
+    return ks, best
 
 
 @dataclass
@@ -146,18 +200,13 @@ class BranchCost:
     a: float = 1.0
     b: float = 0.5
     c: float = 0.05
-    _sums: dict[str, float] = field(default_factory=dict)
+    _sums: _Normal3 = field(default_factory=lambda: _Normal3())
 
     def observe(self, ms: float, rounds: int, branch_tokens: int, decay: float = 0.98) -> None:
-        x = (1.0, float(rounds), float(branch_tokens))
-        s = self._sums
-        for i in range(3):
-            s[f"y{i}"] = decay * s.get(f"y{i}", 0.0) + x[i] * ms
-            for j in range(3):
-                s[f"{i}{j}"] = decay * s.get(f"{i}{j}", 0.0) + x[i] * x[j]
-        if s["00"] < 8:
+        self._sums.add((1.0, float(rounds), float(branch_tokens)), ms, decay)
+        if self._sums.n < 8:
             return
-        fitted = _solve3([[s[f"{i}{j}"] for j in range(3)] for i in range(3)], [s[f"y{i}"] for i in range(3)])
+        fitted = self._sums.solve()
         if fitted is not None and min(fitted) >= 0.0 and fitted[2] > 0.0:
             self.a, self.b, self.c = fitted
 
@@ -170,16 +219,53 @@ class BranchCost:
         return max(0, int(spare / (self.c * max(1, k))))
 
 
-def _solve3(m: list[list[float]], y: list[float]) -> tuple[float, float, float] | None:
-    """Gaussian elimination for the 3x3 normal equations; None when they are (nearly) singular."""
+class _Normal3:
+    """Decayed normal equations of y = x . theta for x = (1, x1, x2)."""
+
+    def __init__(self) -> None:
+        self.xx = [[0.0] * 3 for _ in range(3)]
+        self.xy = [0.0] * 3
+
+    @property
+    def n(self) -> float:
+        return self.xx[0][0]
+
+    def add(self, x: tuple[float, float, float], y: float, decay: float) -> None:
+        for i in range(3):
+            self.xy[i] = decay * self.xy[i] + x[i] * y
+            for j in range(3):
+                self.xx[i][j] = decay * self.xx[i][j] + x[i] * x[j]
+
+    def solve(self) -> tuple[float, float, float] | None:
+        return _solve([row[:] for row in self.xx], self.xy[:])  # type: ignore[return-value]
+
+    def solve_without(self, j: int, theta_j: float) -> tuple[float, ...] | None:
+        """The fit of the other two terms with term j held at theta_j (returned in place)."""
+        keep = [i for i in range(3) if i != j]
+        fitted = _solve([[self.xx[r][c] for c in keep] for r in keep],
+                        [self.xy[r] - self.xx[r][j] * theta_j for r in keep])
+        if fitted is None:
+            return None
+        out = dict(zip(keep, fitted, strict=True)) | {j: theta_j}
+        return tuple(out[i] for i in range(3))
+
+    def level(self, b1: float, b2: float) -> float:
+        """The intercept that makes the mean right with the slopes held."""
+        return (self.xy[0] - b1 * self.xx[0][1] - b2 * self.xx[0][2]) / self.n
+
+
+def _solve(m: list[list[float]], y: list[float]) -> tuple[float, ...] | None:
+    """Gaussian elimination for small normal equations; None when they are (nearly) singular."""
+    size = len(y)
     a = [row[:] + [v] for row, v in zip(m, y, strict=True)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-9 * max(1.0, abs(a[0][0])):
+    scale = max(1.0, max(abs(a[i][i]) for i in range(size)))
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-9 * scale:
             return None
         a[col], a[pivot] = a[pivot], a[col]
-        for r in range(3):
+        for r in range(size):
             if r != col:
                 f = a[r][col] / a[col][col]
                 a[r] = [x - f * z for x, z in zip(a[r], a[col], strict=True)]
-    return a[0][3] / a[0][0], a[1][3] / a[1][1], a[2][3] / a[2][2]
+    return tuple(a[i][size] / a[i][i] for i in range(size))

@@ -10,12 +10,12 @@ from router.config import RouterConfig
 from router.core import Sequence
 from router.drafting import DraftLane, DraftWork
 from router.scheduler import Scheduler, StepPlan
-from router.spec_policy import BranchCost, DraftCost, StepCostModel, choose_k
+from router.spec_policy import BranchCost, Contention, DraftCost, StepCostModel, choose_k, expected_tokens
 from router.speculation import Candidate, best_proposal, plan_branches, prune
 from tandem.v1 import common_pb2
 
 Proposal = tuple[list[int], list[common_pb2.SparseDist]]
-LOOKUP_DRY_STEPS = 4
+NEARLY_DONE_SHARE = 0.3  # of a target step: the longest the loop waits for a draft call about to finish
 
 
 class Speculator:
@@ -27,14 +27,16 @@ class Speculator:
         self.scheduler = scheduler
         self.draft = draft
         self.max_model_len = max_model_len
-        self.cost = StepCostModel()  # the target's step time; the loop feeds it
+        self.cost = StepCostModel()  # the target's step time with the draft idle; observe_step feeds it
+        self.contention = Contention()  # ... and how much slower it runs while the draft works
         self.draft_cost = DraftCost(pipelined=config.pipeline)
         self.branch_cost = BranchCost()
         self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
         self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
-        self.lookup_first: set[int] = set()  # decoders that asked for lookup first (their lookups do better)
+        self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
+        self.last_step_ms = 0.0  # the target's latest step, wall time
         draft.on_cost = self._observe_draft
 
     # ---- k and proposals ------------------------------------------------------------------------
@@ -69,19 +71,19 @@ class Speculator:
         return drafts, [common_pb2.SparseDist(token_ids=[t], probs=[1.0]) for t in drafts]  # a point guess
 
     def choose_ks(self, decoders: list[Sequence], prefill_tokens: int) -> list[int]:
-        """The scheduler's callback: k per decoder, its policy's wish capped by the proposal it has.
-        Each sequence asks one proposer first: the draft model, or prompt lookup where there is no
-        draft, where its lookups have been accepted more often than its drafts, or where the draft's
-        proposals are not worth their cost now (a lookup costs no draft work)."""
+        """The scheduler's callback: k per decoder, its policy's wish capped by the proposal it takes.
+        Both offers are known before the choice: the draft's prepared proposal (where the pipeline has
+        one for this history) and prompt lookup's (what followed the suffix earlier). Each sequence
+        takes the one with more expected tokens at its proposer's acceptance, and lookup's where the
+        draft's proposals are not worth their cost now (a lookup costs no draft work)."""
         caps = [self.cap(s) for s in decoders]
-        self.draft_cost.pipelined = self.config.pipeline and not self.shares_compute()
-        can_look = [self.config.prompt_lookup and not s.request.reproducible for s in decoders]
-        by_lookup = [c and (not self.draft.up or self._prefers_lookup(s)) for s, c in zip(decoders, can_look,
-                                                                                           strict=True)]
+        offers = [self._offers(s) if cap > 0 else (([], []), ([], [])) for s, cap in zip(decoders, caps, strict=True)]
+        by_lookup = [self._prefers_lookup(s, len(d[0][:cap]), len(lk[0][:cap]))
+                     for s, cap, (d, lk) in zip(decoders, caps, offers, strict=True)]
         if self.config.dynamic_k:
             dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
             chosen = self._dynamic_k(decoders, caps, dyn, by_lookup, prefill_tokens)
-            unaffordable = [i for i, k in zip(dyn, chosen, strict=True) if k == 0 and caps[i] and can_look[i]
+            unaffordable = [i for i, k in zip(dyn, chosen, strict=True) if k == 0 and caps[i] and offers[i][1][0]
                             and not by_lookup[i]]
             if unaffordable:
                 for i in unaffordable:
@@ -89,45 +91,61 @@ class Speculator:
                 chosen = self._dynamic_k(decoders, caps, dyn, by_lookup, prefill_tokens)
             for i, k in zip(dyn, chosen, strict=True):
                 caps[i] = k
-        return [self._match(seq, k, lookup_first) for seq, k, lookup_first in zip(decoders, caps, by_lookup,
-                                                                                  strict=True)]
+        return [self._match(seq, k, offer, lookup) for seq, k, offer, lookup in zip(decoders, caps, offers, by_lookup,
+                                                                                   strict=True)]
 
     def _dynamic_k(self, decoders: list[Sequence], caps: list[int], dyn: list[int], by_lookup: list[bool],
                    prefill_tokens: int) -> list[int]:
         rates = [(decoders[i].lookup_tracker if by_lookup[i] else decoders[i].tracker).rate for i in dyn]
         return choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost, self.draft_cost,
-                        [not by_lookup[i] for i in dyn])
+                        [not by_lookup[i] for i in dyn], base_seqs=len(decoders) - len(dyn) + (prefill_tokens > 0))
 
-    def _match(self, seq: Sequence, k: int, lookup_first: bool) -> int:
-        """This step's proposal for seq (at most k drafts) from the proposer it asks first, else the other."""
-        seq.next_k = k
-        prepared_for_it = any(p.start == seq.outcome_start for p in seq.prepared)
-        drafted = self.proposal(seq)
-        if not drafted[0] and not prepared_for_it:
+    def _offers(self, seq: Sequence) -> tuple[Proposal, Proposal]:
+        """The draft's prepared proposal for seq's history and prompt lookup's; a sequence the draft had
+        prepared nothing for yet is late."""
+        if not any(p.start == seq.outcome_start for p in seq.prepared):
             self.late.add(seq.seq_id)
-        if lookup_first:
-            self.lookup_first.add(seq.seq_id)
-        looked = self.lookup(seq) if k > 0 and (lookup_first or not drafted[0]) else ([], [])
-        if looked[0]:
-            self.matched[seq.seq_id] = looked
+        return self.proposal(seq), self.lookup(seq)
+
+    def _match(self, seq: Sequence, k: int, offers: tuple[Proposal, Proposal], by_lookup: bool) -> int:
+        """This step's proposal for seq: at most k drafts of the offer it takes."""
+        seq.next_k = k
+        drafted, looked = offers
+        if drafted[0]:
+            self.late.discard(seq.seq_id)
+        chosen = looked if by_lookup and k > 0 else drafted
+        self.matched[seq.seq_id] = chosen
+        if chosen is looked:
             self.from_lookup.add(seq.seq_id)
-        else:
-            self.matched[seq.seq_id] = drafted
             if drafted[0]:
-                self.from_draft.add(seq.seq_id)
-        return min(k, len(self.matched[seq.seq_id][0]))
+                self.lookup_over_draft.add(seq.seq_id)
+        elif drafted[0]:
+            self.from_draft.add(seq.seq_id)
+        return min(k, len(chosen[0]))
 
     def shares_compute(self) -> bool:
-        """Draft and target on the same cores or GPU: the draft's work, pipelined or not, slows the
-        target's steps, so dynamic k counts it in full."""
+        """Draft and target on the same cores or GPU: every branch the draft prepares slows the target."""
         info = self.draft.info
         return bool(self.draft.up and info is not None and info.compute_id and info.compute_id == self.target_compute)
 
     @staticmethod
-    def _prefers_lookup(seq: Sequence) -> bool:
-        """Its lookups were accepted more often than its drafts, and its history still repeats: after
-        LOOKUP_DRY_STEPS lookups in a row without a match the draft gets it back."""
-        return seq.lookup_tracker.rate > seq.tracker.rate and seq.lookup.dry < LOOKUP_DRY_STEPS
+    def _prefers_lookup(seq: Sequence, drafted: int, looked: int) -> bool:
+        """Given offers of `drafted` and `looked` tokens: lookup's where it expects more tokens at the
+        acceptance its lookups have had, or where the draft offers nothing. On a tie the draft's goes
+        (it carries q: a sampled request accepts more of it than of a point guess)."""
+        if not looked:
+            return False
+        if not drafted:
+            return True
+        return expected_tokens(seq.lookup_tracker.rate, looked) > expected_tokens(seq.tracker.rate, drafted)
+
+    def observe_step(self, plan: StepPlan, wall_ms: float, draft_busy: bool) -> None:
+        """A target step's wall time: feeds the contention estimate, and the cost model at draft-idle speed."""
+        tokens, seqs = plan.num_tokens, len(plan.sequences)
+        self.last_step_ms = wall_ms
+        self.contention.observe(wall_ms, self.cost.step_ms(tokens, seqs), draft_busy)
+        self.draft_cost.slowdown = slowdown = self.contention.factor
+        self.cost.observe(tokens, wall_ms / slowdown if draft_busy else wall_ms, seqs)
 
     def decode_ready(self, seq: Sequence) -> bool:
         # Seeded sampling stays reproducible only if its k never depends on timing: it waits
@@ -137,7 +155,7 @@ class Speculator:
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
         late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
-        if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_first:
+        if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_over_draft:
             return None
         if seq.seq_id in self.from_draft:
             return "hit"
@@ -148,7 +166,7 @@ class Speculator:
         self.late.clear()
         self.from_draft.clear()
         self.from_lookup.clear()
-        self.lookup_first.clear()
+        self.lookup_over_draft.clear()
 
     def observe_outcome(self, seq: Sequence, v: int, accepted: int, token: int) -> None:
         """Which prepared branch (if any) this verification's outcome matched: the rank statistics."""
@@ -159,21 +177,41 @@ class Speculator:
             self.draft.stats.observe(accepted == v, list(ranks), hit)
 
     # ---- the draft's work -----------------------------------------------------------------------
+    async def await_nearly_done(self) -> float:
+        """Pipelined, a draft call as long as a target step lands just after it about half the time,
+        and its proposals, which would have more than doubled what the next step emits, are late. So a
+        call expected to finish within NEARLY_DONE_SHARE of a step is waited for, that long at most;
+        one overdue by more (slow, stuck) is not, and neither is one no decoding sequence needs.
+        Returns the ms waited (on the step's critical path)."""
+        if not self.config.pipeline or self.draft.idle:
+            return 0.0
+        now = time.perf_counter()
+        allowance = NEARLY_DONE_SHARE * self.last_step_ms / 1000
+        if not now - allowance <= self.draft.due <= now + allowance:
+            return 0.0
+        if not any(not s.prefilling and self.cap(s) > 0 and not s.request.reproducible for s in self.scheduler.running):
+            return 0.0
+        await self.draft.wait_until(now + allowance)
+        return (time.perf_counter() - now) * 1000
+
+    def expected_ms(self, work: DraftWork) -> float:
+        """How long the draft should take over this work (BranchCost, fed by every call)."""
+        return self.branch_cost.call_ms(work.rounds, work.branches * max(1, work.rounds - 1))
+
     def step_work(self, plan: StepPlan, sent: list[list[int]]) -> DraftWork:
         """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes."""
         work, budget = DraftWork(), self.draft.budget
         cands: list[tuple[Sequence, list[int], Candidate]] = []
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
-                # a sequence asking prompt lookup first gets no branches: they would go unused
-                if seq.next_k > 0 and not seq.request.reproducible and seq.seq_id not in self.lookup_first:
-                    cands.append((seq, seq.tokens + drafts, Candidate(seq.seq_id, len(drafts), seq.tracker.rate,
-                                                                      seq.next_k)))
+                if seq.next_k > 0 and not seq.request.reproducible:
+                    rate = (seq.lookup_tracker if seq.seq_id in self.from_lookup else seq.tracker).rate
+                    cands.append((seq, seq.tokens + drafts, Candidate(seq.seq_id, len(drafts), rate, seq.next_k)))
             for c in plan.chunks:
                 cap = self.cap(c.seq)
                 if c.emit and cap > 0 and not c.seq.request.reproducible:
                     cands.append((c.seq, list(c.seq.tokens), Candidate(c.seq.seq_id, 0, c.seq.tracker.rate, cap)))
-        budget_ms = self.cost.step_ms(plan.num_tokens)
+        budget_ms = self.cost.step_ms(plan.num_tokens, len(plan.sequences))
         branches = plan_branches([c for _, _, c in cands], self.draft.stats, self._branch_budget(cands, budget_ms))
         planned = {seq.seq_id for seq, _, _ in cands}
         for c in plan.chunks:  # mirrored first: they are the draft's prefill
@@ -213,7 +251,7 @@ class Speculator:
 
     def _observe_draft(self, work: DraftWork, ms: float) -> None:
         if work.rounds:
-            self.draft_cost.observe(ms, work.rounds)
+            self.draft_cost.observe(ms, work.rounds, len(work.entries))
             self.branch_cost.observe(ms, work.rounds, work.branches * max(1, work.rounds - 1))
 
     async def sequential_proposals(self) -> float:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.spec_policy import AcceptanceTracker, DraftCost, StepCostModel, choose_k, expected_tokens
+from router.spec_policy import AcceptanceTracker, Contention, DraftCost, StepCostModel, choose_k, expected_tokens
 
 CPU = StepCostModel(alpha=10.0, beta=1.2)  # compute-bound: every scored token costs (the module's prior)
 GPU = StepCostModel(alpha=20.0, beta=0.02)  # memory-bound: scoring more tokens is nearly free
@@ -141,6 +141,33 @@ def test_cost_model_keeps_its_slope_until_the_data_determine_a_line():
     assert m.beta == 1.2 and m.step_ms(25.5) == pytest.approx(100.0 - 25.5, rel=0.01)
 
 
+def test_cost_model_separates_the_cost_of_sequences_from_the_cost_of_tokens():
+    """Measured on CPU: 4 sequences x 3 tokens cost twice 1 x 10. A tokens-only line fitted to such
+    steps blames the tokens and makes every draft token look expensive at high load."""
+    rng = random.Random(2)
+    m = StepCostModel()
+    for _ in range(300):
+        seqs = rng.randint(1, 16)
+        tokens = seqs * rng.randint(1, 5) + rng.choice([0, 0, 64, 128])
+        m.observe(tokens, 8.0 + 0.1 * tokens + 3.0 * seqs, seqs)
+    assert (m.alpha, m.beta, m.gamma) == (pytest.approx(8.0, rel=0.01), pytest.approx(0.1, rel=0.01),
+                                          pytest.approx(3.0, rel=0.01))
+    tokens_only = StepCostModel()
+    for _ in range(300):
+        seqs = rng.randint(1, 16)
+        tokens = seqs * 5
+        tokens_only.observe(tokens, 8.0 + 0.1 * tokens + 3.0 * seqs)  # seqs unknown to the model
+    assert tokens_only.beta > 0.6, "the sequences' cost lands on the tokens"
+    assert sum(choose_k([0.6] * 16, [4] * 16, 0, m)) > sum(choose_k([0.6] * 16, [4] * 16, 0, tokens_only))
+
+
+def test_cost_model_with_one_sequence_per_step_keeps_gamma_and_fits_the_line():
+    m = StepCostModel(gamma=2.0)
+    for n in itertools.islice(itertools.cycle([1, 3, 5]), 60):
+        m.observe(n, 10.0 + 0.5 * n, seqs=1)
+    assert m.gamma == 2.0 and m.beta == pytest.approx(0.5) and m.step_ms(4, 1) == pytest.approx(12.0)
+
+
 # ---- choosing k ----------------------------------------------------------------------------------
 def test_high_acceptance_and_a_small_batch_speculate_to_the_cap():
     assert choose_k([0.9], [4], 0, CPU) == [4]
@@ -222,9 +249,35 @@ def test_draft_cost_is_fitted_from_calls_of_different_sizes():
     for rounds in itertools.islice(itertools.cycle([2, 3, 5]), 30):
         d.observe(0.7 + 1.3 * rounds, rounds)
     assert d.model.alpha == pytest.approx(0.7, rel=0.05) and d.model.beta == pytest.approx(1.3, rel=0.05)
-    assert d.step_ms(target_ms=20.0, max_k=4) == 20.0  # hidden behind the target
-    assert d.step_ms(target_ms=2.0, max_k=4) == pytest.approx(0.7 + 1.3 * 5, rel=0.05)
-    assert d.step_ms(target_ms=2.0, max_k=0) == 2.0  # no drafting, no cost
+    assert d.step(target_ms=20.0, max_k=4) == (20.0, 1.0)  # hidden behind the target
+    step_ms, ready = d.step(target_ms=3.6, max_k=4)  # a call of 5 rounds takes 7.2 ms: every other step
+    assert step_ms == 3.6 and ready == pytest.approx(0.5, rel=0.05), "the target does not wait for it"
+    assert d.step(target_ms=2.0, max_k=0) == (2.0, 1.0)  # no drafting, no cost
+    d.pipelined = False
+    assert d.step(target_ms=3.6, max_k=4) == (pytest.approx(3.6 + 7.2, rel=0.05), 1.0)
+
+
+def test_draft_cost_separates_rounds_from_the_batch_they_carry():
+    """A round over 16 sequences costs the draft more than a round over one: a model in rounds alone,
+    fitted at low load, would call a call at c=16 cheap (and at high load one fitted there, c=1 dear)."""
+    d = DraftCost()
+    rng = random.Random(3)
+    for _ in range(200):
+        rounds, entries = rng.randint(1, 5), rng.randint(1, 16)
+        d.observe(1.0 + 0.5 * rounds + 0.8 * rounds * entries, rounds, entries)
+    assert d.call_ms(4, 16) == pytest.approx(1.0 + 2.5 + 0.8 * 80, rel=0.01)
+    assert d.call_ms(4, 1) == pytest.approx(1.0 + 2.5 + 0.8 * 5, rel=0.01)
+
+
+def test_a_pipelined_draft_slower_than_the_target_does_not_zero_k_it_thins_the_proposals():
+    """The target never waits for a pipelined draft: a draft twice as slow as the target has proposals
+    ready for half the steps, which at high acceptance is still worth drafting for (the old model, in
+    which the slower of the two paced the step, cut k to keep the draft's rounds inside the step)."""
+    target = StepCostModel(alpha=10.0, beta=0.2)
+    slow = DraftCost(StepCostModel(alpha=1e-3, beta=4.0), pipelined=True)  # k + 1 rounds: 4 (k + 1) ms
+    # k = 3: a 13.2 ms step, drafts ready for 13.2 / 16 of them: (4 + 0.825 * 4 * 2.439) / 13.2 = 0.913 tok/ms;
+    # k = 4: 14 ms, ready 0.7: 0.905; k = 2: 12.4 ms, always ready: 0.874. Paced by the draft, k = 2 won.
+    assert choose_k([0.9] * 4, [4] * 4, 0, target, slow) == [3] * 4
 
 
 def test_proposals_that_cost_no_draft_work_are_not_charged_for_it():
@@ -234,3 +287,33 @@ def test_proposals_that_cost_no_draft_work_are_not_charged_for_it():
     slow_draft = DraftCost(model=StepCostModel(alpha=60.0, beta=20.0), pipelined=False)
     assert choose_k([0.6], [4], 0, cost, slow_draft, drafted=[True]) == [0]
     assert choose_k([0.6], [4], 0, cost, slow_draft, drafted=[False])[0] > 0
+
+
+def test_contention_is_the_slowdown_of_steps_with_the_draft_busy_and_never_below_one():
+    c = Contention()
+    for _ in range(3):
+        c.observe(15.0, 10.0, draft_busy=True)
+        c.observe(10.0, 10.0, draft_busy=False)
+    assert c.factor == 1.0, "too few samples of each kind: no charge yet"
+    for _ in range(20):
+        c.observe(15.0, 10.0, draft_busy=True)
+        c.observe(10.0, 10.0, draft_busy=False)
+    assert c.factor == pytest.approx(1.5)
+    for _ in range(400):
+        c.observe(9.0, 10.0, draft_busy=True)
+        c.observe(10.0, 10.0, draft_busy=False)
+    assert c.factor == 1.0, "a draft on its own device does not speed the target up"
+
+
+def test_a_pipelined_draft_on_shared_compute_costs_the_target_slowdown_not_its_own_time():
+    """On shared cores the pipelined draft still runs beside the target: what it costs the step is the
+    measured slowdown of the target, not the whole Propose (the old charge, which made drafting look
+    unaffordable next to prompt lookup on a small draft)."""
+    target = StepCostModel(alpha=10.0, beta=0.5)
+    draft = StepCostModel(alpha=1.0, beta=1.0)  # 5 rounds: 6 ms, inside the step
+    shared = DraftCost(draft, pipelined=True, slowdown=1.1)
+    assert shared.step(target_ms=12.0, max_k=4) == (pytest.approx(13.2), 1.0)
+    assert shared.step(target_ms=12.0, max_k=0) == (12.0, 1.0), "no drafting, no slowdown"
+    free = choose_k([0.7], [4], 0, target)
+    assert choose_k([0.7], [4], 0, target, shared) == free, "a 10% slowdown is worth a 0.7 acceptance"
+    assert choose_k([0.7], [4], 0, target, DraftCost(draft, pipelined=True, slowdown=3.0)) == [0]
