@@ -56,6 +56,9 @@ STREAM_IDLE_S = 1.0  # and closed after this long without a step
 _DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 _BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
            grpc.StatusCode.UNIMPLEMENTED}
+# gRPC's own library says this (our services say "internal error (log id ...)") when a write on an
+# open stream meets a transport the server just tore down: the service went away, it did not break.
+_CORE_INTERNAL = "Internal error from Core"
 
 
 def _translate(err: grpc.aio.AioRpcError) -> Exception:
@@ -66,7 +69,7 @@ def _translate(err: grpc.aio.AioRpcError) -> Exception:
                 return CacheMissError([int(s) for s in value.split(",") if s])
             if key == NOT_OWNER_METADATA:
                 return NotOwner(value)
-    if code in _DOWN:
+    if code in _DOWN or (code == grpc.StatusCode.INTERNAL and (err.details() or "").startswith(_CORE_INTERNAL)):
         return ServiceDown(f"{code.name}: {err.details()}")
     if code in _BROKEN:
         return ServiceError(f"{code.name}: {err.details()}")

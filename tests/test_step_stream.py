@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 import torch
 from transformers import LlamaConfig
 
-from router.clients import CacheMissError, ServiceDown, TargetClient
+from router.clients import CacheMissError, ServiceDown, ServiceError, TargetClient, _translate
 from tandem.v1 import target_pb2
 from tests.conftest import SMALL, hf_greedy, write_checkpoint
 from tests.stack import start_target
@@ -104,3 +105,11 @@ def test_shutdown_ends_a_stream_waiting_for_its_next_step_at_once(model_dir):
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_transport_torn_down_under_a_stream_reads_as_the_service_going_away_not_breaking():
+    def error(details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    assert isinstance(_translate(error("Internal error from Core")), ServiceDown)
+    assert isinstance(_translate(error("internal error (log id 7f3a)")), ServiceError)
