@@ -1,5 +1,5 @@
 """The router's side of the draft service: one Propose per step that mirrors prompt chunks and
-prepares proposals, run in the background so the target does not wait for it; graceful absence.
+prepares proposals, run in the background so the target never waits for it; graceful absence.
 
 Position bookkeeping per sequence (core.Sequence): the draft holds draft_stream[:draft_cached].
 A call continues a base stream S (the history, plus the drafts being verified right now); the
@@ -120,7 +120,6 @@ class DraftLane:
         self.on_done: Callable[[], None] = lambda: None  # the step loop's wake-up
         self.on_cost: Callable[[DraftWork, float], None] = lambda work, ms: None
         self._call: asyncio.Task | None = None
-        self.due = 0.0  # time.perf_counter() at which the running call is expected to finish
         self._reconnect: asyncio.Task | None = None
         self._releases: list[int] = []  # kept while the draft is unreachable
         self._expect: tuple[str, int] | None = None  # (tokenizer fingerprint, vocab) of the target
@@ -193,23 +192,16 @@ class DraftLane:
                 task.cancel()
 
     # ---- calls ---------------------------------------------------------------------------------
-    def launch(self, work: DraftWork, trace: StepTrace | None = None, expected_ms: float = 0.0) -> None:
+    def launch(self, work: DraftWork, trace: StepTrace | None = None) -> None:
         """Run the call in the background (one at a time); its results land on the sequences.
         trace: the step it was planned for, when tracing (its spans parent the call's)."""
         assert self.idle
         if self.up and work.entries:
             self._call = asyncio.create_task(self.run(work, trace))
-            self.due = time.perf_counter() + expected_ms / 1000
 
     async def wait(self) -> None:
         if not self.idle:
             await asyncio.shield(self._call)
-
-    async def wait_until(self, deadline: float) -> None:
-        """Wait for the running call, but not past `deadline` (time.perf_counter()); it is not cancelled."""
-        remaining = deadline - time.perf_counter()
-        if not self.idle and remaining > 0:
-            await asyncio.wait([self._call], timeout=remaining)  # type: ignore[list-item]
 
     async def run(self, work: DraftWork, trace: StepTrace | None = None) -> float:
         """The call, awaited (sequential mode uses it directly). Returns its wall time in ms."""

@@ -1,6 +1,5 @@
 """The step loop: schedule, send the target one mixed Step, hand the draft its work for the same
-step in the background, apply what the target emitted. The target does not wait for the draft
-(but for a call due within a fraction of a step: Speculator.await_nearly_done).
+step in the background, apply what the target emitted. The target never waits for the draft.
 
     iteration t:   schedule (decodes use the prepared proposal that continues their history)
                    target.Step(decodes + chunks)   ||   draft.Propose(chunks mirrored; branches for the
@@ -67,7 +66,7 @@ class StepLoop:
         if self._pending_release:
             ids, self._pending_release = self._pending_release, []
             await self.release_now(ids)
-        draft_ms = await (self.spec.await_nearly_done() if self.config.pipeline else self.spec.sequential_proposals())
+        draft_ms = 0.0 if self.config.pipeline else await self.spec.sequential_proposals()
         self.spec.new_step()
         only = self._next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
@@ -83,16 +82,14 @@ class StepLoop:
             self.target.idle()
             if self.draft.up and self.draft.idle:
                 work = self.spec.waiting_work()
-                self.draft.launch(work, self.tracer.step(None, self.steps) if self.tracer is not None else None,
-                                  self.spec.expected_ms(work))
+                self.draft.launch(work, self.tracer.step(None, self.steps) if self.tracer is not None else None)
                 return bool(work.entries) or draft_ms > 0
             return draft_ms > 0
         entries, sent = self._entries(plan)
         dispatched(plan)
         trace = self.tracer.step(plan, self.steps) if self.tracer is not None else None
         if self.draft.up and self.draft.idle:
-            work = self.spec.step_work(plan, sent)
-            self.draft.launch(work, trace, self.spec.expected_ms(work))
+            self.draft.launch(self.spec.step_work(plan, sent), trace)
         draft_busy = not self.draft.idle  # working alongside this step: the target may run slower
         t_target = time.perf_counter()
         try:

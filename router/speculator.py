@@ -15,7 +15,6 @@ from router.speculation import Candidate, best_proposal, plan_branches, prune
 from tandem.v1 import common_pb2
 
 Proposal = tuple[list[int], list[common_pb2.SparseDist]]
-NEARLY_DONE_SHARE = 0.3  # of a target step: the longest the loop waits for a draft call about to finish
 
 
 class Speculator:
@@ -36,7 +35,6 @@ class Speculator:
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
-        self.last_step_ms = 0.0  # the target's latest step, wall time
         draft.on_cost = self._observe_draft
 
     # ---- k and proposals ------------------------------------------------------------------------
@@ -142,7 +140,6 @@ class Speculator:
     def observe_step(self, plan: StepPlan, wall_ms: float, draft_busy: bool) -> None:
         """A target step's wall time: feeds the contention estimate, and the cost model at draft-idle speed."""
         tokens, seqs = plan.num_tokens, len(plan.sequences)
-        self.last_step_ms = wall_ms
         self.contention.observe(wall_ms, self.cost.step_ms(tokens, seqs), draft_busy)
         self.draft_cost.slowdown = slowdown = self.contention.factor
         self.cost.observe(tokens, wall_ms / slowdown if draft_busy else wall_ms, seqs)
@@ -177,27 +174,6 @@ class Speculator:
             self.draft.stats.observe(accepted == v, list(ranks), hit)
 
     # ---- the draft's work -----------------------------------------------------------------------
-    async def await_nearly_done(self) -> float:
-        """Pipelined, a draft call as long as a target step lands just after it about half the time,
-        and its proposals, which would have more than doubled what the next step emits, are late. So a
-        call expected to finish within NEARLY_DONE_SHARE of a step is waited for, that long at most;
-        one overdue by more (slow, stuck) is not, and neither is one no decoding sequence needs.
-        Returns the ms waited (on the step's critical path)."""
-        if not self.config.pipeline or self.draft.idle:
-            return 0.0
-        now = time.perf_counter()
-        allowance = NEARLY_DONE_SHARE * self.last_step_ms / 1000
-        if not now - allowance <= self.draft.due <= now + allowance:
-            return 0.0
-        if not any(not s.prefilling and self.cap(s) > 0 and not s.request.reproducible for s in self.scheduler.running):
-            return 0.0
-        await self.draft.wait_until(now + allowance)
-        return (time.perf_counter() - now) * 1000
-
-    def expected_ms(self, work: DraftWork) -> float:
-        """How long the draft should take over this work (BranchCost, fed by every call)."""
-        return self.branch_cost.call_ms(work.rounds, work.branches * max(1, work.rounds - 1))
-
     def step_work(self, plan: StepPlan, sent: list[list[int]]) -> DraftWork:
         """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes."""
         work, budget = DraftWork(), self.draft.budget
@@ -241,7 +217,7 @@ class Speculator:
         k = max(c.k for _, _, c in cands)
         if self.shares_compute():  # every branch delays the target: only each sequence's likeliest outcome
             return len(cands)
-        by_time = max(len(cands), self.branch_cost.affordable(step_ms, rounds=1 + k, k=k))
+        by_time = max(len(cands), self.branch_cost.affordable(step_ms, len(cands) * (1 + k), k))
         geometry = self.scheduler.draft
         if geometry is None:
             return by_time
@@ -252,7 +228,7 @@ class Speculator:
     def _observe_draft(self, work: DraftWork, ms: float) -> None:
         if work.rounds:
             self.draft_cost.observe(ms, work.rounds, len(work.entries))
-            self.branch_cost.observe(ms, work.rounds, work.branches * max(1, work.rounds - 1))
+            self.branch_cost.observe(ms, work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
 
     async def sequential_proposals(self) -> float:
         """Without pipelining, decoders lacking a proposal get a plain one first (on the critical path)."""

@@ -149,9 +149,8 @@ def _load_wall(url: str, ps: list[list[int]], n: int) -> float:
 
 
 def test_a_draft_slower_than_its_deadline_costs_no_throughput(model_pair):
-    """Every Propose outlasts --draft-timeout. The step loop waits for no draft call past a fraction of
-    a step after it was due, so the same load takes about as long as with no draft at all (before: 3.4x
-    as long, the draft pacing every step)."""
+    """Every Propose outlasts --draft-timeout. The step loop never waits for the draft, so the same load
+    takes about as long as with no draft at all (before: 3.4x as long, the draft pacing every step)."""
     target_dir, draft_dir = model_pair
     target, _ = start_target(target_dir, step_delay_s=REALISTIC_STEP_S)
 

@@ -10,7 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.spec_policy import AcceptanceTracker, Contention, DraftCost, StepCostModel, choose_k, expected_tokens
+from router.spec_policy import (
+    AcceptanceTracker,
+    BranchCost,
+    Contention,
+    DraftCost,
+    StepCostModel,
+    choose_k,
+    expected_tokens,
+)
 
 CPU = StepCostModel(alpha=10.0, beta=1.2)  # compute-bound: every scored token costs (the module's prior)
 GPU = StepCostModel(alpha=20.0, beta=0.02)  # memory-bound: scoring more tokens is nearly free
@@ -267,6 +275,21 @@ def test_draft_cost_separates_rounds_from_the_batch_they_carry():
         d.observe(1.0 + 0.5 * rounds + 0.8 * rounds * entries, rounds, entries)
     assert d.call_ms(4, 16) == pytest.approx(1.0 + 2.5 + 0.8 * 80, rel=0.01)
     assert d.call_ms(4, 1) == pytest.approx(1.0 + 2.5 + 0.8 * 5, rel=0.01)
+
+
+def test_branch_cost_charges_every_sequence_s_rounds_so_a_busy_call_affords_fewer_branches():
+    """A branched Propose costs per sequence-round and per branch token. Fitted in rounds alone, a call
+    carrying 16 sequences looked as cheap as one carrying one, and the branches it afforded made the
+    call several target steps long."""
+    b = BranchCost()
+    rng = random.Random(5)
+    for _ in range(200):
+        rounds, entries, branch_tokens = rng.randint(1, 5), rng.randint(1, 16), rng.randint(0, 120)
+        b.observe(2.0 + 0.6 * rounds * entries + 0.3 * branch_tokens, rounds * entries, branch_tokens)
+    assert b.call_ms(16 * 4, 40) == pytest.approx(2.0 + 0.6 * 64 + 0.3 * 40, rel=0.01)
+    one, sixteen = b.affordable(30.0, 1 * 4, k=3), b.affordable(30.0, 16 * 4, k=3)
+    assert one == int((30.0 - 2.0 - 0.6 * 4) / (0.6 * 3))  # a branch token charged at least a round's cost
+    assert sixteen == 0  # the rounds alone overrun the step: no branches beyond one per sequence
 
 
 def test_a_pipelined_draft_slower_than_the_target_does_not_zero_k_it_thins_the_proposals():
