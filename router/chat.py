@@ -8,6 +8,9 @@ dict and namespace. The special tokens of tokenizer_config.json (bos_token, eos_
 template variables, as in transformers. Without any template, a documented plain fallback:
 
     <role>: <content>\n      for every message, then      assistant:
+
+(an assistant message that starts with whitespace, as the model's own answers do, is joined to
+"assistant:" without a second space, so it re-tokenizes as it was generated).
 """
 
 from __future__ import annotations
@@ -72,9 +75,22 @@ class ChatFormatter:
 
     def render(self, messages: list[tuple[str, str]], **extra: object) -> str:
         if self.template is None:
-            return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+            return "".join(_plain_turn(role, content) for role, content in messages) + FALLBACK_GENERATION_PROMPT
         return self.template.render(messages=[{"role": r, "content": c} for r, c in messages],
                                     add_generation_prompt=True, **self.special_tokens, **extra)
+
+
+FALLBACK_GENERATION_PROMPT = "assistant:"
+
+
+def _plain_turn(role: str, content: str) -> str:
+    """One message of the template-less format. The model writes on from "assistant:", usually
+    starting with a space: an answer it wrote, sent back as history, is joined to "assistant:" as it
+    was generated, so the next turn's prompt tokenizes like the tokens it produced (and reuses their
+    cached KV) instead of diverging at a doubled space."""
+    if role == "assistant" and content[:1].isspace():
+        return f"{FALLBACK_GENERATION_PROMPT}{content}\n"
+    return f"{role}: {content}\n"
 
 
 def _token_text(token: str | dict | None) -> str:

@@ -107,6 +107,23 @@ def test_no_template_falls_back_to_plain_roles(tmp_path):
     assert ChatFormatter.from_dir(tmp_path).render(msgs) == "system: Be brief.\nuser: Hi\nassistant:"
 
 
+def test_without_a_template_an_answer_sent_back_reads_as_it_was_generated(tmp_path):
+    """The next turn's prompt starts with the previous prompt and the tokens the model produced, so a
+    prefix cache holds all of them: the answer is not re-rendered behind a doubled space."""
+    from tokenizers import Tokenizer
+
+    write_tokenizer(tmp_path)
+    chat, tok = ChatFormatter.from_dir(tmp_path), Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    history = [("system", "Be brief."), ("user", "Wrap this text.")]
+    generated = tok.encode(" def wrap(text):\n    return text.split()", add_special_tokens=False).ids
+    answer = tok.decode(generated)
+    before = tok.encode(chat.render(history)).ids
+    after = tok.encode(chat.render([*history, ("assistant", answer), ("user", "Why?")])).ids
+    assert after[:len(before) + len(generated)] == before + generated
+    hand_written = chat.render([("user", "Hi"), ("assistant", "Hello."), ("user", "Bye")])
+    assert hand_written == "user: Hi\nassistant: Hello.\nuser: Bye\nassistant:"
+
+
 def test_a_template_may_refuse_a_conversation(tmp_path):
     d = save_transformers5_layout(tmp_path / "l3", LLAMA3_STYLE, "<|begin_of_text|>")
     with pytest.raises(Exception, match="unexpected role developer"):
