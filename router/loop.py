@@ -88,7 +88,7 @@ class StepLoop:
         entries, sent = self._entries(plan)
         dispatched(plan)
         trace = self.tracer.step(plan, self.steps) if self.tracer is not None else None
-        if self.draft.up and self.draft.idle:
+        if self.draft.up and self.draft.idle and not self.spec.rests_draft(plan, self.steps):
             self.draft.launch(self.spec.step_work(plan, sent), trace)
         draft_busy = not self.draft.idle  # working alongside this step: the target may run slower
         t_target = time.perf_counter()

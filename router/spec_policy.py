@@ -48,27 +48,35 @@ class AcceptanceTracker:
 @dataclass
 class Contention:
     """How much slower the target's steps run while the draft works (draft and target sharing cores or
-    a GPU): decayed mean of observed / modelled step time on steps with the draft busy, over the same
-    on steps with it idle. 1.0 until both kinds have been seen a few times, and never below 1."""
+    a GPU): the decayed mean of observed / modelled step time on steps with the draft busy, over the
+    same on steps with it idle. Each mean decays only with its own samples, so the estimate outlives a
+    long run of one kind (a draft busy on every step, or one the policy stopped using). 1.0 until both
+    kinds have been seen a few times (`measured`), and never below 1."""
 
     busy: float = 0.0
     n_busy: float = 0.0
     idle: float = 0.0
     n_idle: float = 0.0
-    decay: float = 0.98
+    decay: float = 0.95
 
     def observe(self, observed_ms: float, modelled_ms: float, draft_busy: bool) -> None:
         ratio = observed_ms / max(modelled_ms, 1e-6)
-        self.busy, self.n_busy = self.decay * self.busy, self.decay * self.n_busy
-        self.idle, self.n_idle = self.decay * self.idle, self.decay * self.n_idle
         if draft_busy:
-            self.busy, self.n_busy = self.busy + ratio, self.n_busy + 1
+            self.busy, self.n_busy = self.decay * self.busy + ratio, self.decay * self.n_busy + 1
         else:
-            self.idle, self.n_idle = self.idle + ratio, self.n_idle + 1
+            self.idle, self.n_idle = self.decay * self.idle + ratio, self.decay * self.n_idle + 1
+
+    @property
+    def measured(self) -> bool:
+        return self.seen(busy=True) and self.seen(busy=False)
+
+    def seen(self, busy: bool) -> bool:
+        """At least four steps of that kind (decayed counts: four make 3.7)."""
+        return (self.n_busy if busy else self.n_idle) >= 3.5
 
     @property
     def factor(self) -> float:
-        if self.n_busy < 4 or self.n_idle < 4:
+        if not self.measured:
             return 1.0
         return max(1.0, (self.busy / self.n_busy) / (self.idle / self.n_idle))
 

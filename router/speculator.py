@@ -15,6 +15,7 @@ from router.speculation import Candidate, best_proposal, plan_branches, prune
 from tandem.v1 import common_pb2
 
 Proposal = tuple[list[int], list[common_pb2.SparseDist]]
+PROBE_EVERY = 32  # steps between draft-idle probes where draft and target share compute
 
 
 class Speculator:
@@ -126,6 +127,16 @@ class Speculator:
         info = self.draft.info
         return bool(self.draft.up and info is not None and info.compute_id and info.compute_id == self.target_compute)
 
+    def rests_draft(self, plan: StepPlan, step: int) -> bool:
+        """Whether this step runs without draft work. Where draft and target share compute, what the
+        draft costs is the target's slowdown while it works (Contention), which only steps with the
+        draft idle show; a pipelined draft given work on every step would never show it. So a
+        decode-only step rests the draft until a few idle steps are measured, then one in PROBE_EVERY
+        (its decoders find no branch next step: they take lookup's proposal or run at k = 0)."""
+        if not (self.config.pipeline and self.shares_compute()) or plan.chunks:
+            return False
+        return not self.contention.seen(busy=False) or step % PROBE_EVERY == 0
+
     @staticmethod
     def _prefers_lookup(seq: Sequence, drafted: int, looked: int) -> bool:
         """Given offers of `drafted` and `looked` tokens: lookup's where it expects more tokens at the
@@ -178,8 +189,13 @@ class Speculator:
         """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes."""
         work, budget = DraftWork(), self.draft.budget
         cands: list[tuple[Sequence, list[int], Candidate]] = []
+        # Sharing compute, a draft whose proposals no decoder took this step only slows the target: it
+        # prepares nothing for sequences on prompt lookup, only for those that want its proposal.
+        idle_draft = self.shares_compute() and not self.from_draft
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
+                if idle_draft and seq.seq_id in self.from_lookup:
+                    continue
                 if seq.next_k > 0 and not seq.request.reproducible:
                     rate = (seq.lookup_tracker if seq.seq_id in self.from_lookup else seq.tracker).rate
                     cands.append((seq, seq.tokens + drafts, Candidate(seq.seq_id, len(drafts), rate, seq.next_k)))

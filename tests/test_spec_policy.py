@@ -340,3 +340,53 @@ def test_a_pipelined_draft_on_shared_compute_costs_the_target_slowdown_not_its_o
     free = choose_k([0.7], [4], 0, target)
     assert choose_k([0.7], [4], 0, target, shared) == free, "a 10% slowdown is worth a 0.7 acceptance"
     assert choose_k([0.7], [4], 0, target, DraftCost(draft, pipelined=True, slowdown=3.0)) == [0]
+
+
+def test_a_contention_estimate_outlives_a_long_run_of_steps_of_one_kind():
+    """A pipelined draft busy on every step, or one the policy stopped using, must not erase what was
+    measured: each mean moves only with its own samples."""
+    c = Contention()
+    for _ in range(10):
+        c.observe(14.0, 10.0, draft_busy=True)
+        c.observe(10.0, 10.0, draft_busy=False)
+    assert c.measured and c.factor == pytest.approx(1.4)
+    for _ in range(1000):
+        c.observe(10.0, 10.0, draft_busy=False)
+    assert c.factor == pytest.approx(1.4)
+    for _ in range(1000):
+        c.observe(14.0, 10.0, draft_busy=True)
+    assert c.factor == pytest.approx(1.4)
+
+
+def _speculator(draft_compute: str, pipeline: bool = True):
+    from types import SimpleNamespace
+
+    from router.config import RouterConfig
+    from router.scheduler import CacheGeometry, Scheduler
+    from router.speculator import Speculator
+
+    config = RouterConfig(pipeline=pipeline)
+    lane = SimpleNamespace(up=True, info=SimpleNamespace(compute_id=draft_compute, max_model_len=512), max_k=4)
+    return Speculator(config, Scheduler(config, CacheGeometry(64, 16), None), lane, 512, 4, "host/cpu/0-1")
+
+
+def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_be_measured():
+    """The draft's cost on shared compute is the target's slowdown while it works; with work on every
+    step there would be no idle step to compare with. Decode-only steps rest it until four idle steps
+    are measured, then one in PROBE_EVERY; a step with prompt chunks never rests it (it mirrors them)."""
+    from router.core import GREEDY, Request, Sequence
+    from router.scheduler import Chunk, StepPlan
+    from router.speculator import PROBE_EVERY
+
+    spec = _speculator("host/cpu/0-1")
+    decode_only = StepPlan()
+    assert spec.rests_draft(decode_only, 1), "nothing measured idle yet"
+    for _ in range(4):
+        spec.contention.observe(10.0, 10.0, draft_busy=False)
+    assert not any(spec.rests_draft(decode_only, s) for s in range(1, PROBE_EVERY))
+    assert spec.rests_draft(decode_only, PROBE_EVERY)
+    req = Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=4)
+    seq = Sequence(seq_id=1, request=req, tokens=[1, 2, 3], num_prompt=3)
+    assert not spec.rests_draft(StepPlan(chunks=[Chunk(seq, 0, 3)]), PROBE_EVERY)
+    for separate in (_speculator("host/cpu/1"), _speculator("host/cpu/0-1", pipeline=False)):
+        assert not separate.rests_draft(decode_only, PROBE_EVERY), "a draft on its own cores costs the target nothing"
