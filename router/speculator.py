@@ -15,7 +15,9 @@ from router.speculation import Candidate, best_proposal, plan_branches, prune
 from tandem.v1 import common_pb2
 
 Proposal = tuple[list[int], list[common_pb2.SparseDist]]
-PROBE_EVERY = 32  # steps between draft-idle probes where draft and target share compute
+PROBE_EVERY = 32  # steps between draft-idle probes of the target's slowdown while the draft works
+SLOWS_TARGET = 1.05  # a measured slowdown above this is contention, not noise
+QUIET_PROBES = 8  # a draft that does not slow the target is probed this many times less often
 
 
 class Speculator:
@@ -127,15 +129,23 @@ class Speculator:
         info = self.draft.info
         return bool(self.draft.up and info is not None and info.compute_id and info.compute_id == self.target_compute)
 
+    def draft_slows_target(self) -> bool:
+        """Whether the draft's work costs the target time: sharing its cores or GPU, or measured to slow
+        it (a draft on other cores of one socket still contends for its caches and memory bandwidth)."""
+        return self.shares_compute() or self.contention.factor > SLOWS_TARGET
+
     def rests_draft(self, plan: StepPlan, step: int) -> bool:
-        """Whether this step runs without draft work. Where draft and target share compute, what the
-        draft costs is the target's slowdown while it works (Contention), which only steps with the
-        draft idle show; a pipelined draft given work on every step would never show it. So a
-        decode-only step rests the draft until a few idle steps are measured, then one in PROBE_EVERY
-        (its decoders find no branch next step: they take lookup's proposal or run at k = 0)."""
-        if not (self.config.pipeline and self.shares_compute()) or plan.chunks:
+        """Whether this step runs without draft work. What a pipelined draft costs is the target's
+        slowdown while it works (Contention): large on shared compute, measurable on other cores of one
+        host, nil on its own GPU. Only steps with the draft idle show it, and a pipelined draft given
+        work on every step would never show it. So a decode-only step rests the draft until a few idle
+        steps are measured, then one in PROBE_EVERY (its decoders find no branch next step: they take
+        lookup's proposal or run at k = 0). A draft measured not to slow the target is probed
+        QUIET_PROBES times less often: the probe only keeps that finding current."""
+        if not self.config.pipeline or plan.chunks:
             return False
-        return not self.contention.seen(busy=False) or step % PROBE_EVERY == 0
+        every = PROBE_EVERY if self.draft_slows_target() else PROBE_EVERY * QUIET_PROBES
+        return not self.contention.seen(busy=False) or step % every == 0
 
     @staticmethod
     def _prefers_lookup(seq: Sequence, drafted: int, looked: int) -> bool:
@@ -189,9 +199,9 @@ class Speculator:
         """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes."""
         work, budget = DraftWork(), self.draft.budget
         cands: list[tuple[Sequence, list[int], Candidate]] = []
-        # Sharing compute, a draft whose proposals no decoder took this step only slows the target: it
+        # Where it slows the target, a draft whose proposals no decoder took this step is pure cost: it
         # prepares nothing for sequences on prompt lookup, only for those that want its proposal.
-        idle_draft = self.shares_compute() and not self.from_draft
+        idle_draft = self.draft_slows_target() and not self.from_draft
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
                 if idle_draft and seq.seq_id in self.from_lookup:
@@ -231,7 +241,7 @@ class Speculator:
         if not cands:
             return 0
         k = max(c.k for _, _, c in cands)
-        if self.shares_compute():  # every branch delays the target: only each sequence's likeliest outcome
+        if self.draft_slows_target():  # every branch delays the target: only each sequence's likeliest outcome
             return len(cands)
         by_time = max(len(cands), self.branch_cost.affordable(step_ms, len(cands) * (1 + k), k))
         geometry = self.scheduler.draft

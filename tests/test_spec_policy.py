@@ -363,10 +363,12 @@ def _speculator(draft_compute: str, pipeline: bool = True):
 
     from router.config import RouterConfig
     from router.scheduler import CacheGeometry, Scheduler
+    from router.speculation import OutcomeStats
     from router.speculator import Speculator
 
     config = RouterConfig(pipeline=pipeline)
-    lane = SimpleNamespace(up=True, info=SimpleNamespace(compute_id=draft_compute, max_model_len=512), max_k=4)
+    lane = SimpleNamespace(up=True, info=SimpleNamespace(compute_id=draft_compute, max_model_len=512), max_k=4,
+                           budget=512, stats=OutcomeStats())
     return Speculator(config, Scheduler(config, CacheGeometry(64, 16), None), lane, 512, 4, "host/cpu/0-1")
 
 
@@ -388,5 +390,62 @@ def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_
     req = Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=4)
     seq = Sequence(seq_id=1, request=req, tokens=[1, 2, 3], num_prompt=3)
     assert not spec.rests_draft(StepPlan(chunks=[Chunk(seq, 0, 3)]), PROBE_EVERY)
-    for separate in (_speculator("host/cpu/1"), _speculator("host/cpu/0-1", pipeline=False)):
-        assert not separate.rests_draft(decode_only, PROBE_EVERY), "a draft on its own cores costs the target nothing"
+    sequential = _speculator("host/cpu/0-1", pipeline=False)
+    assert not any(sequential.rests_draft(decode_only, s) for s in range(1, 2 * PROBE_EVERY)), \
+        "a sequential draft never works alongside the target: there is nothing to measure"
+
+
+def test_a_draft_on_other_cores_is_probed_too_and_treated_as_shared_once_it_measurably_slows_the_target():
+    """Other cores of one host still share caches and memory bandwidth: the pipelined draft rests on
+    probe steps there too (rarely while no slowdown shows), and a measured slowdown makes it behave as
+    on shared compute: more frequent probes, one branch per sequence, nothing prepared for sequences on
+    prompt lookup when no decoder took its proposals."""
+    from router.scheduler import StepPlan
+    from router.speculation import Candidate
+    from router.speculator import PROBE_EVERY, QUIET_PROBES
+
+    spec, decode_only = _speculator("host/cpu/1"), StepPlan()
+    assert not spec.shares_compute()
+    assert spec.rests_draft(decode_only, 1), "nothing measured idle yet"
+    for _ in range(4):
+        spec.contention.observe(10.0, 10.0, draft_busy=False)
+        spec.contention.observe(10.2, 10.0, draft_busy=True)
+    assert not spec.draft_slows_target(), "a 2% difference is noise"
+    quiet = PROBE_EVERY * QUIET_PROBES
+    assert [s for s in range(1, quiet + 1) if spec.rests_draft(decode_only, s)] == [quiet]
+    for _ in range(40):
+        spec.contention.observe(12.0, 10.0, draft_busy=True)
+    assert spec.draft_slows_target()
+    assert [s for s in range(1, PROBE_EVERY + 1) if spec.rests_draft(decode_only, s)] == [PROBE_EVERY]
+    cands = [(None, [], Candidate(seq_id, 0, 0.7, 4)) for seq_id in range(3)]
+    assert spec._branch_budget(cands, step_ms=1e6) == 3, "one branch per sequence: each extra one slows the target"
+
+
+def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_when_no_decoder_took_its_proposals():
+    """Its work would only slow the step: it prepares for the sequences that want its proposal. On its
+    own device (no slowdown measured) it prepares for both, so a sequence can switch back to it."""
+    from router.core import GREEDY, Request, Sequence
+    from router.scheduler import StepPlan
+
+    def seq(seq_id: int) -> Sequence:
+        req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8)
+        s = Sequence(seq_id=seq_id, request=req, tokens=[1, 2, 3, 4], num_prompt=3)
+        s.next_k = 2
+        return s
+
+    def prepared_for(spec) -> set[int]:
+        on_lookup, wanting = seq(1), seq(2)
+        spec.new_step()
+        spec.from_lookup.add(on_lookup.seq_id)  # took lookup's proposal this step; no decoder took the draft's
+        plan = StepPlan(decodes=[(on_lookup, 2), (wanting, 0)])
+        work = spec.step_work(plan, [[5, 6], []])
+        return {s.seq_id for s in work.seqs}
+
+    own_device = _speculator("host/cpu/1")
+    assert prepared_for(own_device) == {1, 2}
+    slowed = _speculator("host/cpu/1")
+    for _ in range(10):
+        slowed.contention.observe(10.0, 10.0, draft_busy=False)
+        slowed.contention.observe(13.0, 10.0, draft_busy=True)
+    assert prepared_for(slowed) == {2}
+    assert prepared_for(_speculator("host/cpu/0-1")) == {2}, "shared compute: no measurement needed"
