@@ -73,6 +73,7 @@ def run_multiturn(pair: Pair, quick: bool, seed: int, log_dir: Path, samples: di
     on, off = modes
     settings = {**asdict(shape), "chat_template": pair.has_chat_template}
     results = {"answers_identical": [t.answer for t in on.turns] == [t.answer for t in off.turns],
+               "first_differences": multiturn.first_differences(on.turns, off.turns),
                "modes": {m.mode: {k: v for k, v in asdict(m).items() if k != "turns"} for m in modes}}
     samples.setdefault("multiturn", {})[pair.name] = {
         m.mode: [[t.conversation, t.turn, round(t.ttft, 4), round(t.e2e, 4)] for t in m.turns] for m in modes}

@@ -197,6 +197,24 @@ def run_mode(mode: str, models: Path, system: str, conversations: list[list[str]
         sum(get("tandem:prefix_cache_attach_misses_total", s) for s in ("target", "draft")), turns)
 
 
+def first_differences(on: list[Turn], off: list[Turn], context: int = 40) -> list[dict]:
+    """Per conversation, the first turn whose answers differ between the two modes, from `context`
+    characters before the first differing one: what a diagnosis needs (later turns of that
+    conversation differ anyway, their history having diverged)."""
+    out, seen = [], set()
+    for a, b in zip(on, off, strict=True):
+        assert (a.conversation, a.turn) == (b.conversation, b.turn)
+        if a.answer == b.answer or a.conversation in seen:
+            continue
+        seen.add(a.conversation)
+        pairs = enumerate(zip(a.answer, b.answer, strict=False))
+        at = next((i for i, (x, y) in pairs if x != y), min(len(a.answer), len(b.answer)))
+        lo = max(0, at - context)
+        out.append({"conversation": a.conversation, "turn": a.turn, "at_char": at,
+                    "with": a.answer[lo:at + context], "without": b.answer[lo:at + context]})
+    return out
+
+
 def report(results: list[ModeResult], shape: Shape) -> tuple[str, bool]:
     on, off = results
     rows = [f"multi-turn chat: {shape.conversations} conversations x {shape.turns} turns, {shape.concurrency} at a "
@@ -217,6 +235,8 @@ def report(results: list[ModeResult], shape: Shape) -> tuple[str, bool]:
         checks[f"acceptance {on.acceptance:.2f} vs {off.acceptance:.2f} (within 0.05)"] = \
             abs(on.acceptance - off.acceptance) <= 0.05
     rows += ["", *(f"{'PASS' if ok else 'FAIL'}  {name}" for name, ok in checks.items())]
+    rows += [f"      conversation {d['conversation']}, turn {d['turn']}, character {d['at_char']}: with {d['with']!r}, "
+             f"without {d['without']!r}" for d in first_differences(on.turns, off.turns)]
     if len(checks) == 3:
         rows.append("n/a   acceptance: a mode verified no drafts (dynamic k chose k = 0 for this pair; "
                     "--router-arg=--no-dynamic-k makes it speculate)")

@@ -147,7 +147,9 @@ def multiturn_table(res: dict) -> list[str]:
                     f"| {_n(hit.get('target'), '{:.0%}')} / {_n(hit.get('draft'), '{:.0%}')} "
                     f"| {_n(r.get('attach_misses'), '{:.0f}')} |")
     same = "identical" if res["answers_identical"] else "**DIFFERENT**"
-    return [*rows, "", f"Greedy answers with and without prefix caching: {same}."]
+    where = [f"- conversation {d['conversation']}, turn {d['turn']}, character {d['at_char']}: with "
+             f"{d['with']!r}, without {d['without']!r}" for d in res.get("first_differences", [])]
+    return [*rows, "", f"Greedy answers with and without prefix caching: {same}.", *([""] + where if where else [])]
 
 
 def feature_lines(e: dict) -> list[str]:

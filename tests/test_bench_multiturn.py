@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from bench.multiturn import ModeResult, Turn, report, script, shape_for
+from bench.multiturn import ModeResult, Turn, first_differences, report, script, shape_for
 
 
 def test_the_last_turn_fits_the_context_and_the_script_is_deterministic(model_pair):
@@ -35,6 +35,18 @@ def test_the_report_fails_a_run_whose_answers_differ():
     assert ok and "PASS  TTFT p50 ratio 0.20" in text
     text, ok = report([mode("prefix caching", "a", 0.05), mode("no prefix caching", "b", 0.1)], shape)
     assert not ok and "FAIL  answers identical" in text and "FAIL  TTFT p50 ratio 0.50" in text
+    assert "conversation 0, turn 1, character 0: with 'a', without 'b'" in text
+
+
+def test_a_difference_is_located_at_its_first_turn_and_character_per_conversation():
+    on = [Turn(0, 1, 0, 0, "same"), Turn(0, 2, 0, 0, "x" * 50 + "cat"), Turn(0, 3, 0, 0, "later"),
+          Turn(1, 1, 0, 0, "ok"), Turn(1, 2, 0, 0, "ok")]
+    off = [Turn(0, 1, 0, 0, "same"), Turn(0, 2, 0, 0, "x" * 50 + "dog"), Turn(0, 3, 0, 0, "differs too"),
+           Turn(1, 1, 0, 0, "ok"), Turn(1, 2, 0, 0, "ok")]
+    assert first_differences(on, off, context=4) == [
+        {"conversation": 0, "turn": 2, "at_char": 50, "with": "xxxxcat", "without": "xxxxdog"}]
+    assert first_differences(on[3:], off[3:]) == []
+    assert first_differences([Turn(0, 1, 0, 0, "ab")], [Turn(0, 1, 0, 0, "abc")])[0]["at_char"] == 2
 
 
 def test_the_last_turn_as_the_router_renders_it_leaves_room_for_its_answer(model_pair):
