@@ -57,6 +57,10 @@ def itl_samples(results: list[RequestResult]) -> list[float]:
     return [round(x * 1000, 2) for r in results if r.error is None for x in r.itl()]
 
 
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 class Correctness:
     """Greedy decoding must give the same tokens for a prompt in every config and load. The first
     answer seen for a prompt is the reference; every later one is compared with it."""
@@ -73,9 +77,24 @@ class Correctness:
             ref = self.reference.setdefault(r.pid, (where, r.tokens))
             self.checked += 1
             if ref[1] != r.tokens:
-                at = next((i for i, (a, b) in enumerate(zip(ref[1], r.tokens, strict=False)) if a != b),
-                          min(len(ref[1]), len(r.tokens)))
-                self.mismatches.append({"pid": r.pid, "where": where, "reference": ref[0], "first_diff_at": at})
+                self.mismatches.append({"pid": r.pid, "where": where, "reference": ref[0],
+                                        "first_diff_at": _first_diff(ref[1], r.tokens)})
+
+    def against_anchor(self, served: dict[int, RequestResult]) -> tuple[int, list[dict]]:
+        """(prompts whose anchor answer equals Tandem's, where each other one first differs with the
+        token ids around it: enough to check the reference's logits there for a near-tie)."""
+        same, diffs = 0, []
+        for pid, r in served.items():
+            if pid not in self.reference:
+                continue
+            ours = self.reference[pid][1]
+            if ours == r.tokens:
+                same += 1
+                continue
+            at = _first_diff(ours, r.tokens)
+            diffs.append({"pid": pid, "first_diff_at": at, "tandem": ours[max(0, at - 4):at + 4],
+                          "anchor": r.tokens[max(0, at - 4):at + 4]})
+        return same, diffs
 
     def report(self) -> dict:
         return {"prompts": len(self.reference), "answers_compared": self.checked,

@@ -115,10 +115,13 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
         except Exception as err:  # noqa: BLE001 - as a config
             failures.append(f"(hf): {err}")
             bar.write(f"{tag} (hf) FAILED: {err}")
+    anchor_mismatches: list[dict] = []
     if served is not None:
-        ref = w.check.reference
-        same = sum(1 for pid, r in served.items() if pid in ref and ref[pid][1] == r.tokens)
+        same, anchor_mismatches = w.check.against_anchor(served)
         agreement = f"{same}/{len(served)} prompts token-for-token identical"
+        if anchor_mismatches:
+            agreement += " (first differences: " + "; ".join(
+                f"prompt {d['pid']} at token {d['first_diff_at']}" for d in anchor_mismatches[:5]) + ")"
         results["hf"], itl["hf"], rows["hf"] = {}, {}, {}
         for load, reqs, arr in w.loads:
             rate = load.rate_frac * capacity[0] if load.kind == "open" and capacity[0] else 1.0
@@ -131,7 +134,7 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
     samples["requests"][f"{w.pair.name}/{mode.name}"] = rows
     return {"pair": w.pair.name, "mode": mode.name, "pinning": mode.describe(), "threads": mode.threads or "default",
             "capacity_req_s": capacity[0] or 0.0, "mixed": w.plan.mixed, "anchor_agreement": agreement,
-            "failures": failures,
+            "anchor_mismatches": anchor_mismatches, "failures": failures,
             "seconds": time.monotonic() - t0, "results": results}
 
 

@@ -242,3 +242,17 @@ def test_anchor_process_entry_matches_transformers_greedy(model_pair, tmp_path: 
     for p in prompts:
         assert rows[p.pid]["tokens"] == hf_greedy(target, p.ids, p.max_tokens)
         assert rows[p.pid]["error"] is None and rows[p.pid]["ttft"] <= rows[p.pid]["e2e"]
+
+
+def test_greedy_answers_are_compared_across_configs_and_with_the_anchor_at_their_first_differing_token():
+    from bench.client import RequestResult
+    from bench.stats import Correctness
+
+    check = Correctness()
+    check.check("(1) c1", [RequestResult(0, 0.0, tokens=[1, 2, 3, 4]), RequestResult(1, 0.0, tokens=[5, 6])])
+    check.check("(6) c1", [RequestResult(0, 0.0, tokens=[1, 2, 9, 4]), RequestResult(1, 0.0, tokens=[5, 6])])
+    assert check.report()["mismatches"] == 1 and check.mismatches[0]["first_diff_at"] == 2
+    served = {0: RequestResult(0, 0.0, tokens=[1, 2, 3, 4]), 1: RequestResult(1, 0.0, tokens=[5, 6, 7])}
+    same, diffs = check.against_anchor(served)
+    assert same == 1
+    assert diffs == [{"pid": 1, "first_diff_at": 2, "tandem": [5, 6], "anchor": [5, 6, 7]}]
