@@ -41,6 +41,8 @@ from pathlib import Path
 import httpx
 from tokenizers import Tokenizer
 
+from bench.report import describe_difference
+from bench.stats import first_diff
 from router.launch import Stack, stack_ports
 
 SOURCES = ("textwrap.py", "string.py", "fractions.py", "heapq.py", "bisect.py", "shlex.py")
@@ -207,8 +209,7 @@ def first_differences(on: list[Turn], off: list[Turn], context: int = 40) -> lis
         if a.answer == b.answer or a.conversation in seen:
             continue
         seen.add(a.conversation)
-        pairs = enumerate(zip(a.answer, b.answer, strict=False))
-        at = next((i for i, (x, y) in pairs if x != y), min(len(a.answer), len(b.answer)))
+        at = first_diff(a.answer, b.answer)
         lo = max(0, at - context)
         out.append({"conversation": a.conversation, "turn": a.turn, "at_char": at,
                     "with": a.answer[lo:at + context], "without": b.answer[lo:at + context]})
@@ -235,8 +236,7 @@ def report(results: list[ModeResult], shape: Shape) -> tuple[str, bool]:
         checks[f"acceptance {on.acceptance:.2f} vs {off.acceptance:.2f} (within 0.05)"] = \
             abs(on.acceptance - off.acceptance) <= 0.05
     rows += ["", *(f"{'PASS' if ok else 'FAIL'}  {name}" for name, ok in checks.items())]
-    rows += [f"      conversation {d['conversation']}, turn {d['turn']}, character {d['at_char']}: with {d['with']!r}, "
-             f"without {d['without']!r}" for d in first_differences(on.turns, off.turns)]
+    rows += [f"      {describe_difference(d)}" for d in first_differences(on.turns, off.turns)]
     if len(checks) == 3:
         rows.append("n/a   acceptance: a mode verified no drafts (dynamic k chose k = 0 for this pair; "
                     "--router-arg=--no-dynamic-k makes it speculate)")

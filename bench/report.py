@@ -137,6 +137,12 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
 
 
+def describe_difference(d: dict) -> str:
+    """One entry of bench.multiturn.first_differences, as the reports print it."""
+    return f"conversation {d['conversation']}, turn {d['turn']}, character {d['at_char']}: with {d['with']!r}, " \
+           f"without {d['without']!r}"
+
+
 def multiturn_table(res: dict) -> list[str]:
     rows = ["| mode | TTFT p50 (ms) | TTFT p50, turns 2+ (ms) | output tok/s | acceptance | prefix-cache hit rate "
             "target / draft | attach misses |", "|---|---|---|---|---|---|---|"]
@@ -147,8 +153,7 @@ def multiturn_table(res: dict) -> list[str]:
                     f"| {_n(hit.get('target'), '{:.0%}')} / {_n(hit.get('draft'), '{:.0%}')} "
                     f"| {_n(r.get('attach_misses'), '{:.0f}')} |")
     same = "identical" if res["answers_identical"] else "**DIFFERENT**"
-    where = [f"- conversation {d['conversation']}, turn {d['turn']}, character {d['at_char']}: with "
-             f"{d['with']!r}, without {d['without']!r}" for d in res.get("first_differences", [])]
+    where = [f"- {describe_difference(d)}" for d in res.get("first_differences", [])]
     return [*rows, "", f"Greedy answers with and without prefix caching: {same}.", *([""] + where if where else [])]
 
 

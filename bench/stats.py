@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,8 @@ def itl_samples(results: list[RequestResult]) -> list[float]:
     return [round(x * 1000, 2) for r in results if r.error is None for x in r.itl()]
 
 
-def _first_diff(a: list[int], b: list[int]) -> int:
+def first_diff(a: Sequence, b: Sequence) -> int:
+    """The first index where two token lists (or texts) differ; the shorter's length if one extends the other."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
@@ -78,7 +80,7 @@ class Correctness:
             self.checked += 1
             if ref[1] != r.tokens:
                 self.mismatches.append({"pid": r.pid, "where": where, "reference": ref[0],
-                                        "first_diff_at": _first_diff(ref[1], r.tokens)})
+                                        "first_diff_at": first_diff(ref[1], r.tokens)})
 
     def against_anchor(self, served: dict[int, RequestResult]) -> tuple[int, list[dict]]:
         """(prompts whose anchor answer equals Tandem's, where each other one first differs with the
@@ -91,7 +93,7 @@ class Correctness:
             if ours == r.tokens:
                 same += 1
                 continue
-            at = _first_diff(ours, r.tokens)
+            at = first_diff(ours, r.tokens)
             diffs.append({"pid": pid, "first_diff_at": at, "tandem": ours[max(0, at - 4):at + 4],
                           "anchor": r.tokens[max(0, at - 4):at + 4]})
         return same, diffs
