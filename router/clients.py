@@ -94,8 +94,11 @@ class _Client:
         if self.tls is not None and self._stub is not None and self.tls.certs.refresh() != self._generation:
             self._retire()
         if self._stub is None:
+            # A channel of its own subchannels: by default gRPC shares them process-wide per address, so a
+            # new channel to a replica that came back on the same address could inherit another channel's
+            # connection backoff and fail its first call with "connection refused".
             options = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.initial_reconnect_backoff_ms", 200),
-                       ("grpc.max_reconnect_backoff_ms", 2000)]
+                       ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
             if self.tls is None:
                 self._channel = grpc.aio.insecure_channel(self.address, options=options)
             else:

@@ -107,6 +107,31 @@ def test_shutdown_ends_a_stream_waiting_for_its_next_step_at_once(model_dir):
     asyncio.run(run())
 
 
+def test_a_new_client_reaches_a_replica_back_on_the_same_address_at_once(model_dir):
+    """gRPC shares subchannels process-wide per address by default: a new channel to a replica that
+    restarted on its old address inherited the old channel's connection backoff and failed its first
+    call with "connection refused" (seen once in CI, where a test's ephemeral port had been another's)."""
+    gone = serve(model_dir)
+    address, port = gone.address, gone.port
+    gone.stop()
+
+    async def run() -> None:
+        old = TargetClient(address, timeout_s=0.5)
+        for _ in range(3):  # the old channel's subchannel fails and backs off
+            with pytest.raises(ServiceDown):
+                await old.step([entry(1, 0, prompt(8))])
+        back, _ = await asyncio.to_thread(start_target, model_dir, 64, port, 4)
+        new = TargetClient(address, timeout_s=5)
+        try:
+            res = await new.step([entry(1, 0, prompt(8))])
+            assert len(res.results[0].tokens) == 1
+        finally:
+            await asyncio.gather(old.close(), new.close())
+            await asyncio.to_thread(back.stop)
+
+    asyncio.run(run())
+
+
 def test_a_transport_torn_down_under_a_stream_reads_as_the_service_going_away_not_breaking():
     def error(details: str) -> grpc.aio.AioRpcError:
         return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
