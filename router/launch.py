@@ -56,11 +56,12 @@ def _grpc_serving(address: str, timeout: float = 1.0, tls: TLSFiles | None = Non
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    options = [("grpc.use_local_subchannel_pool", 1)]  # a fresh poll: no backoff left by the one before
     if tls is None:
-        channel = grpc.insecure_channel(address)
+        channel = grpc.insecure_channel(address, options=options)
     else:
         read = [p.read_bytes() if p else None for p in (tls.ca, tls.key, tls.cert)]
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(*read))
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(*read), options=options)
     with channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
