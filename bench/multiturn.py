@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 from tokenizers import Tokenizer
 
-from bench.report import describe_difference
+from bench.report import answers_text, describe_difference
 from bench.stats import first_diff
 from router.launch import Stack, stack_ports
 
@@ -216,7 +216,44 @@ def first_differences(on: list[Turn], off: list[Turn], context: int = 40) -> lis
     return out
 
 
-def report(results: list[ModeResult], shape: Shape) -> tuple[str, bool]:
+def judged_differences(models: Path, shape: Shape, seed: int, on: list[Turn], off: list[Turn]) -> list[dict]:
+    """first_differences, each with its verdict (bench/ties.py): the turn's prompt rendered as the router
+    renders it (its chat template, the history both modes shared until then), both answers re-encoded."""
+    from bench import ties
+    from router.chat import ChatFormatter
+
+    diffs = first_differences(on, off)
+    if not diffs:
+        return diffs
+    tok = Tokenizer.from_file(str(models / "target" / "tokenizer.json"))
+    chat = ChatFormatter.from_dir(models / "target")
+    system, conversations = script(tok, shape, seed)
+    answers = {(t.conversation, t.turn): t.answer for t in on}
+    others = {(t.conversation, t.turn): t.answer for t in off}
+    divergences = []
+    for d in diffs:
+        c, t = d["conversation"], d["turn"]
+        messages = [("system", system)]
+        for n, question in enumerate(conversations[c][:t], start=1):
+            messages.append(("user", question))
+            if n < t:
+                messages.append(("assistant", answers[(c, n)]))
+        prompt = tok.encode(chat.render(messages), add_special_tokens=chat.template is None).ids
+        a, b = (tok.encode(x[(c, t)], add_special_tokens=False).ids for x in (answers, others))
+        divergences.append(ties.Divergence.between(prompt, a, b))
+    for d, v in zip(diffs, ties.judge(models / "target", divergences), strict=True):
+        d["verdict"] = {**v.as_dict(), "text": v.describe()}
+    return diffs
+
+
+def same_or_ties(on: list[Turn], off: list[Turn], diffs: list[dict]) -> str:
+    """'identical', 'near-ties' (every conversation first differs at a float64 near-tie) or 'DIFFERENT'."""
+    if [t.answer for t in on] == [t.answer for t in off]:
+        return "identical"
+    return "near-ties" if all(d.get("verdict", {}).get("tie") for d in diffs) else "DIFFERENT"
+
+
+def report(results: list[ModeResult], shape: Shape, diffs: list[dict]) -> tuple[str, bool]:
     on, off = results
     rows = [f"multi-turn chat: {shape.conversations} conversations x {shape.turns} turns, {shape.concurrency} at a "
             f"time; system prompt {shape.system_tokens} tokens, questions {shape.user_tokens}, answers "
@@ -227,8 +264,9 @@ def report(results: list[ModeResult], shape: Shape) -> tuple[str, bool]:
         rows.append(f"{r.mode:<20}{r.ttft_p50 * 1e3:>8.0f}ms{r.ttft_p50_later * 1e3:>8.0f}ms{r.tokens_per_s:>8.1f}"
                     f"{r.acceptance:>8.2f}{r.hit_rate['target']:>12.2f}{r.hit_rate['draft']:>11.2f}"
                     f"{r.attach_misses:>8.0f}")
+    same = same_or_ties(on.turns, off.turns, diffs)
     checks = {
-        "answers identical": [t.answer for t in on.turns] == [t.answer for t in off.turns],
+        f"answers {answers_text(same)}": same != "DIFFERENT",
         f"TTFT p50 ratio {on.ttft_p50 / off.ttft_p50:.2f} <= 0.3": on.ttft_p50 <= 0.3 * off.ttft_p50,
         f"tokens/s ratio {on.tokens_per_s / off.tokens_per_s:.2f} >= 1": on.tokens_per_s >= off.tokens_per_s,
     }
@@ -236,11 +274,11 @@ def report(results: list[ModeResult], shape: Shape) -> tuple[str, bool]:
         checks[f"acceptance {on.acceptance:.2f} vs {off.acceptance:.2f} (within 0.05)"] = \
             abs(on.acceptance - off.acceptance) <= 0.05
     rows += ["", *(f"{'PASS' if ok else 'FAIL'}  {name}" for name, ok in checks.items())]
-    rows += [f"      {describe_difference(d)}" for d in first_differences(on.turns, off.turns)]
+    rows += [f"      {describe_difference(d)}" for d in diffs]
     if len(checks) == 3:
         rows.append("n/a   acceptance: a mode verified no drafts (dynamic k chose k = 0 for this pair; "
                     "--router-arg=--no-dynamic-k makes it speculate)")
-    return "\n".join(rows), checks["answers identical"]
+    return "\n".join(rows), same != "DIFFERENT"
 
 
 def measure(models: Path, quick: bool, seed: int, log_dir: Path,
@@ -268,12 +306,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no model pair in {args.models}: `make models` (demo pair) or --models models/tiny", file=sys.stderr)
         return 2
     shape, results = measure(args.models, args.quick, args.seed, args.out / "logs", args.router_arg)
-    text, identical = report(results, shape)
+    diffs = judged_differences(args.models, shape, args.seed, results[0].turns, results[1].turns)
+    text, identical = report(results, shape, diffs)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps({"shape": asdict(shape), "models": str(args.models),
-                                                       "modes": [asdict(r) for r in results]}, indent=1))
+                                                       "modes": [asdict(r) for r in results],
+                                                       "first_differences": diffs}, indent=1))
     return 0 if identical else 1
 
 

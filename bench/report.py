@@ -83,7 +83,9 @@ def pair_lines(name: str, p: dict) -> list[str]:
         + ", ".join(f"{k} {v['n']} ({v['min']}-{v['max']} tokens)" for k, v in w["by_kind"].items())
         + f"; outputs {p['plan']['out_tokens'][0]}-{p['plan']['out_tokens'][1]} tokens, greedy, ignore_eos. "
         f"Correctness: {c['answers_compared']} answers for {c['prompts']} prompts compared across configs, loads "
-        f"and modes, {c['mismatches']} mismatches." + "".join(f" Note: {n}." for n in p["notes"]), ""]
+        f"and modes, {c['mismatches']} mismatches"
+        + (f" and {c['near_ties']} answers that differ at a float64 near-tie (bench/ties.py)" if c.get("near_ties")
+           else "") + "." + "".join(f" Note: {n}." for n in p["notes"]), ""]
 
 
 def markdown(data: dict) -> str:
@@ -137,10 +139,16 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
 
 
+def answers_text(verdict: str) -> str:
+    """bench.multiturn.same_or_ties's verdict in words."""
+    return "identical but where they first differ at a float64 near-tie" if verdict == "near-ties" else verdict
+
+
 def describe_difference(d: dict) -> str:
-    """One entry of bench.multiturn.first_differences, as the reports print it."""
-    return f"conversation {d['conversation']}, turn {d['turn']}, character {d['at_char']}: with {d['with']!r}, " \
-           f"without {d['without']!r}"
+    """One entry of bench.multiturn.first_differences, as the reports print it (with its verdict, if judged)."""
+    verdict = f": {d['verdict']['text']}" if "verdict" in d else ""
+    return f"conversation {d['conversation']}, turn {d['turn']}, character {d['at_char']}{verdict}: with " \
+           f"{d['with']!r}, without {d['without']!r}"
 
 
 def multiturn_table(res: dict) -> list[str]:
@@ -152,7 +160,8 @@ def multiturn_table(res: dict) -> list[str]:
                     f"| {_n(r.get('tokens_per_s'))} | {_n(r.get('acceptance'), '{:.2f}')} "
                     f"| {_n(hit.get('target'), '{:.0%}')} / {_n(hit.get('draft'), '{:.0%}')} "
                     f"| {_n(r.get('attach_misses'), '{:.0f}')} |")
-    same = "identical" if res["answers_identical"] else "**DIFFERENT**"
+    same = answers_text(res.get("answers") or ("identical" if res["answers_identical"] else "DIFFERENT"))
+    same = "**DIFFERENT**" if same == "DIFFERENT" else same
     where = [f"- {describe_difference(d)}" for d in res.get("first_differences", [])]
     return [*rows, "", f"Greedy answers with and without prefix caching: {same}.", *([""] + where if where else [])]
 

@@ -70,7 +70,8 @@ class Correctness:
     def __init__(self) -> None:
         self.reference: dict[int, tuple[str, list[int]]] = {}
         self.checked = 0
-        self.mismatches: list[dict] = []
+        self.mismatches: list[dict] = []  # judged later (bench/ties.py): each gets a "verdict"
+        self.answers: list[tuple[list[int], list[int]]] = []  # (reference, other) per mismatch, in order
 
     def check(self, where: str, results: list[RequestResult]) -> None:
         for r in results:
@@ -81,6 +82,12 @@ class Correctness:
             if ref[1] != r.tokens:
                 self.mismatches.append({"pid": r.pid, "where": where, "reference": ref[0],
                                         "first_diff_at": first_diff(ref[1], r.tokens)})
+                self.answers.append((ref[1], r.tokens))
+
+    @property
+    def real_mismatches(self) -> int:
+        """Mismatches not judged near-ties (unjudged ones count)."""
+        return sum(1 for m in self.mismatches if not m.get("verdict", {}).get("tie"))
 
     def against_anchor(self, served: dict[int, RequestResult]) -> tuple[int, list[dict]]:
         """(prompts whose anchor answer equals Tandem's, where each other one first differs with the
@@ -100,4 +107,5 @@ class Correctness:
 
     def report(self) -> dict:
         return {"prompts": len(self.reference), "answers_compared": self.checked,
-                "mismatches": len(self.mismatches), "details": self.mismatches[:50]}
+                "mismatches": self.real_mismatches, "near_ties": len(self.mismatches) - self.real_mismatches,
+                "details": self.mismatches[:50]}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import anchor, features, plans, report
+from bench import anchor, features, plans, report, ties
 from bench.figures import feature_figures, figures
 from bench.modes import Mode
 from bench.pairs import Pair
@@ -120,8 +120,12 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
         same, anchor_mismatches = w.check.against_anchor(served)
         agreement = f"{same}/{len(served)} prompts token-for-token identical"
         if anchor_mismatches:
+            bar.set_description(f"{tag} judging {len(anchor_mismatches)} anchor differences")
+            pairs = [(w.check.reference[d["pid"]][1], served[d["pid"]].tokens) for d in anchor_mismatches]
+            _judge(w, anchor_mismatches, pairs)
             agreement += " (first differences: " + "; ".join(
-                f"prompt {d['pid']} at token {d['first_diff_at']}" for d in anchor_mismatches[:5]) + ")"
+                f"prompt {d['pid']} at token {d['first_diff_at']}, {d['verdict']['text']}"
+                for d in anchor_mismatches[:5]) + ")"
         results["hf"], itl["hf"], rows["hf"] = {}, {}, {}
         for load, reqs, arr in w.loads:
             rate = load.rate_frac * capacity[0] if load.kind == "open" and capacity[0] else 1.0
@@ -136,6 +140,14 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
             "capacity_req_s": capacity[0] or 0.0, "mixed": w.plan.mixed, "anchor_agreement": agreement,
             "anchor_mismatches": anchor_mismatches, "failures": failures,
             "seconds": time.monotonic() - t0, "results": results}
+
+
+def _judge(w: PairWork, diffs: list[dict], answers: list[tuple[list[int], list[int]]]) -> None:
+    """Give each difference between two greedy answers for a prompt its verdict: near-tie or not."""
+    divergences = [ties.Divergence.between(w.pool[d["pid"]].ids, a, b) for d, (a, b) in zip(diffs, answers,
+                                                                                             strict=True)]
+    for d, v in zip(diffs, ties.judge(w.pair.path / "target", divergences), strict=True):
+        d["verdict"] = {**v.as_dict(), "text": v.describe()}
 
 
 def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: list[str], modes: list[Mode],
@@ -177,6 +189,10 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
             feats.append(entry)
             report.save_partial(args.out, entry)
             figs += [f.row() for f in feature_figures(entry)]
+    for w in work:
+        if w.check.mismatches:
+            print(f"{w.pair.name}: judging {len(w.check.mismatches)} differing greedy answers (float64 reference)")
+            _judge(w, w.check.mismatches, w.check.answers)
     data = {
         "meta": {"command": shlex.join(["python", "-m", "bench", *argv]),
                  "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick,
@@ -205,15 +221,17 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
     mismatches = sum(w.check.report()["mismatches"] for w in work)
     failed = [f"{r['pair']} {r['mode']} {f}" for r in runs for f in r["failures"]] + features.problems(feats)
     if mismatches or errors or failed:
-        print(f"FAILED: {mismatches} output mismatches across configs and modes, {errors} failed requests, "
+        print(f"FAILED: {mismatches} output mismatches across configs and modes (near-ties apart), {errors} failed "
+              "requests, "
               f"{len(failed)} configs or workloads that did not run or answered wrong (details in {js})"
               + "".join(f"\n  {f}" for f in failed))
         return 1
     for w in work if "main" in args.workloads else ():
         c = w.check.report()
         agree = "; ".join(f"{r['mode']}: {r['anchor_agreement']}" for r in runs if r["pair"] == w.pair.name)
+        ties_note = f" but {c['near_ties']} that differ at a float64 near-tie" if c["near_ties"] else ""
         print(f"correctness, {w.pair.name}: {c['answers_compared']} greedy answers for {c['prompts']} prompts "
-              f"identical across configs, loads and modes; anchor: {agree}")
+              f"identical across configs, loads and modes{ties_note}; anchor: {agree}")
     for e in feats:
         print(features.correctness_line(e))
     return 0

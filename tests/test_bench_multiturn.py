@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from bench.multiturn import ModeResult, Turn, first_differences, report, script, shape_for
+from bench.multiturn import ModeResult, Turn, first_differences, judged_differences, report, script, shape_for
 
 
 def test_the_last_turn_fits_the_context_and_the_script_is_deterministic(model_pair):
@@ -31,11 +31,32 @@ def test_the_report_fails_a_run_whose_answers_differ():
         turns = [Turn(0, 1, ttft, 1.0, answer), Turn(0, 2, ttft, 1.0, answer)]
         return ModeResult(name, ttft, ttft, 100.0, 0.5, {"target": 0.5, "draft": 0.5}, 0, turns)
 
-    text, ok = report([mode("prefix caching", "a", 0.02), mode("no prefix caching", "a", 0.1)], shape)
+    text, ok = report([mode("prefix caching", "a", 0.02), mode("no prefix caching", "a", 0.1)], shape, [])
     assert ok and "PASS  TTFT p50 ratio 0.20" in text
-    text, ok = report([mode("prefix caching", "a", 0.05), mode("no prefix caching", "b", 0.1)], shape)
-    assert not ok and "FAIL  answers identical" in text and "FAIL  TTFT p50 ratio 0.50" in text
+    on, off = mode("prefix caching", "a", 0.05), mode("no prefix caching", "b", 0.1)
+    diffs = first_differences(on.turns, off.turns)
+    text, ok = report([on, off], shape, diffs)
+    assert not ok and "FAIL  answers DIFFERENT" in text and "FAIL  TTFT p50 ratio 0.50" in text
     assert "conversation 0, turn 1, character 0: with 'a', without 'b'" in text
+    words = "near-tie (float64 logits 0.0e+00 and 2.0e-07 below the best)"
+    tie = [{**diffs[0], "verdict": {"tie": True, "text": words}}]
+    text, ok = report([on, off], shape, tie)
+    assert ok and "PASS  answers identical but where they first differ at a float64 near-tie" in text
+    assert "turn 1, character 0: near-tie (float64 logits" in text
+
+
+def test_a_difference_is_judged_at_the_turn_s_prompt_as_the_router_renders_it(model_pair):
+    """Two answers that differ in their second token: the verdict scores the reference after the
+    rendered prompt and the first token, and says how far below the best logit each token is."""
+    target_dir, _ = model_pair
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    shape = shape_for(512, quick=True)
+    first = tok.decode([40, 41])
+    on = [Turn(0, 1, 0, 0, first), Turn(0, 2, 0, 0, "same")]
+    off = [Turn(0, 1, 0, 0, first), Turn(0, 2, 0, 0, "other")]
+    (d,) = judged_differences(target_dir.parent, shape, 0, on, off)
+    assert d["turn"] == 2 and d["verdict"]["text"].split(" ")[0] in ("near-tie", "MISMATCH")
+    assert all(gap >= 0 for gap in d["verdict"]["below_best"])
 
 
 def test_a_difference_is_located_at_its_first_turn_and_character_per_conversation():

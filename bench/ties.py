@@ -1,0 +1,74 @@
+"""Whether a greedy divergence is a near-tie, judged by an independent reference.
+
+Two greedy decoders computing in fp32 can take different argmaxes where the best logits lie within
+rounding of each other: batch shape, prompt chunking and prefix caching change the order of fp32
+sums (on the demo pair two logits 1e-6 apart were seen). Such a divergence is not an engine error,
+though every later token differs with it. So where two answers for the same input differ, the
+position is scored by transformers in float64: the divergence is a tie when both sides' tokens
+score within TIE_GAP of the best logit there (vLLM's check_logprobs_close makes the same
+allowance with logprobs). Anything else (a token far from the best, one answer a prefix of the
+other) stays a mismatch.
+
+    prompt ids | common prefix of both answers | a (one side), b (the other)
+                                               ^ scored here
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.stats import first_diff
+
+TIE_GAP = 1e-3  # logits: the fp32 differences between batch shapes on these pairs are ~1e-6..1e-4
+
+
+@dataclass(frozen=True)
+class Divergence:
+    prompt: tuple[int, ...]
+    common: tuple[int, ...]  # the tokens both answers share before they differ
+    a: int | None  # the next token of one answer; None where it ended there
+    b: int | None
+
+    @classmethod
+    def between(cls, prompt: Sequence[int], one: Sequence[int], other: Sequence[int]) -> Divergence:
+        at = first_diff(one, other)
+        return cls(tuple(prompt), tuple(one[:at]), one[at] if at < len(one) else None,
+                   other[at] if at < len(other) else None)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    tie: bool
+    below_best_a: float  # best logit there minus a's, in float64 (nan: no token to score)
+    below_best_b: float
+
+    def describe(self) -> str:
+        kind = "near-tie" if self.tie else "MISMATCH"
+        return f"{kind} (float64 logits {self.below_best_a:.1e} and {self.below_best_b:.1e} below the best)"
+
+    def as_dict(self) -> dict:
+        return {"tie": self.tie, "below_best": [self.below_best_a, self.below_best_b]}
+
+
+def judge(target_dir: Path, divergences: list[Divergence]) -> list[Verdict]:
+    """Score each divergence's position with the target in float64."""
+    if not divergences:
+        return []
+    import torch
+
+    from model_zoo.hf_draft import load_causal_lm
+
+    model = load_causal_lm(target_dir, dtype=torch.float64)
+    out = []
+    for d in divergences:
+        if d.a is None or d.b is None:  # one answer ended where the other went on: not a rounding question
+            out.append(Verdict(False, float("nan"), float("nan")))
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([[*d.prompt, *d.common]])).logits[0, -1]
+        best = logits.max().item()
+        gaps = best - logits[d.a].item(), best - logits[d.b].item()
+        out.append(Verdict(max(gaps) < TIE_GAP, *gaps))
+    return out
