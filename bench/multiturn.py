@@ -242,7 +242,7 @@ def judged_differences(models: Path, shape: Shape, seed: int, on: list[Turn], of
         a, b = (tok.encode(x[(c, t)], add_special_tokens=False).ids for x in (answers, others))
         divergences.append(ties.Divergence.between(prompt, a, b))
     for d, v in zip(diffs, ties.judge(models / "target", divergences), strict=True):
-        d["verdict"] = {**v.as_dict(), "text": v.describe()}
+        d["verdict"] = v.as_dict()
     return diffs
 
 

@@ -147,7 +147,7 @@ def _judge(w: PairWork, diffs: list[dict], answers: list[tuple[list[int], list[i
     divergences = [ties.Divergence.between(w.pool[d["pid"]].ids, a, b) for d, (a, b) in zip(diffs, answers,
                                                                                              strict=True)]
     for d, v in zip(diffs, ties.judge(w.pair.path / "target", divergences), strict=True):
-        d["verdict"] = {**v.as_dict(), "text": v.describe()}
+        d["verdict"] = v.as_dict()
 
 
 def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: list[str], modes: list[Mode],

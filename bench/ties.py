@@ -49,7 +49,8 @@ class Verdict:
         return f"{kind} (float64 logits {self.below_best_a:.1e} and {self.below_best_b:.1e} below the best)"
 
     def as_dict(self) -> dict:
-        return {"tie": self.tie, "below_best": [self.below_best_a, self.below_best_b]}
+        """As results.json keeps it beside the difference it judges."""
+        return {"tie": self.tie, "below_best": [self.below_best_a, self.below_best_b], "text": self.describe()}
 
 
 def judge(target_dir: Path, divergences: list[Divergence]) -> list[Verdict]:
