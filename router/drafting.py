@@ -120,6 +120,9 @@ class DraftLane:
         self.on_done: Callable[[], None] = lambda: None  # the step loop's wake-up
         self.on_cost: Callable[[DraftWork, float], None] = lambda work, ms: None
         self._call: asyncio.Task | None = None
+        self.in_flight: DraftWork | None = None  # the call's work, while it runs
+        self.started = 0.0  # perf_counter() when it was sent
+        self.waited_for = False  # a step already waited for it (once per call: an overdue call is not waited for)
         self._reconnect: asyncio.Task | None = None
         self._releases: list[int] = []  # kept while the draft is unreachable
         self._expect: tuple[str, int] | None = None  # (tokenizer fingerprint, vocab) of the target
@@ -197,11 +200,18 @@ class DraftLane:
         trace: the step it was planned for, when tracing (its spans parent the call's)."""
         assert self.idle
         if self.up and work.entries:
+            self.in_flight, self.started, self.waited_for = work, time.perf_counter(), False
             self._call = asyncio.create_task(self.run(work, trace))
 
-    async def wait(self) -> None:
-        if not self.idle:
-            await asyncio.shield(self._call)
+    async def wait(self, timeout_s: float | None = None) -> None:
+        """Until the call in flight is done, or timeout_s passed (the call goes on)."""
+        if self.idle:
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(self._call)
+        except TimeoutError:
+            pass
 
     async def run(self, work: DraftWork, trace: StepTrace | None = None) -> float:
         """The call, awaited (sequential mode uses it directly). Returns its wall time in ms."""
@@ -228,6 +238,7 @@ class DraftLane:
             log.exception("draft call failed unexpectedly")
             self._reset(work.seqs, "error")
         finally:
+            self.in_flight = None
             self.on_done()
         return (time.perf_counter() - t0) * 1000
 

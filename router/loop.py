@@ -1,5 +1,6 @@
 """The step loop: schedule, send the target one mixed Step, hand the draft its work for the same
-step in the background, apply what the target emitted. The target never waits for the draft.
+step in the background, apply what the target emitted. The target never waits for the draft, except
+for a call due within what its proposals are worth (Speculator.grace_ms), once per call.
 
     iteration t:   schedule (decodes use the prepared proposal that continues their history)
                    target.Step(decodes + chunks)   ||   draft.Propose(chunks mirrored; branches for the
@@ -66,7 +67,7 @@ class StepLoop:
         if self._pending_release:
             ids, self._pending_release = self._pending_release, []
             await self.release_now(ids)
-        draft_ms = 0.0 if self.config.pipeline else await self.spec.sequential_proposals()
+        draft_ms = await self._grace() if self.config.pipeline else await self.spec.sequential_proposals()
         self.spec.new_step()
         only = self._next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
@@ -119,6 +120,17 @@ class StepLoop:
         if trace is not None:
             trace.end(plan, sent, response, self.spec, self.draft.up)
         return True
+
+    async def _grace(self) -> float:
+        """Wait briefly for a draft call about to land with proposals this step needs (Speculator.grace_ms)."""
+        grace_ms = self.spec.grace_ms()
+        if grace_ms <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        self.draft.waited_for = True
+        await self.draft.wait(grace_ms / 1000)
+        self.metrics.pipeline_waits.labels(outcome="arrived" if self.draft.idle else "timed_out").inc()
+        return (time.perf_counter() - t0) * 1000
 
     def _entries(self, plan: StepPlan) -> tuple[list[target_pb2.StepEntry], list[list[int]]]:
         """The Step's entries: decodes, prompt chunks, then the siblings (n > 1) forked from a prompt it finishes."""

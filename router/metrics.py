@@ -50,6 +50,9 @@ class Metrics:
         self.pipeline_misses = Counter("tandem:pipeline_misses", "Decodes that wanted a proposal and had none: "
                                        "late = the draft had prepared nothing for this outcome yet, wrong = "
                                        "it had, and no prepared branch matched", ["reason"], registry=r)
+        self.pipeline_waits = Counter("tandem:pipeline_waits", "Steps that waited (at most what the proposals "
+                                      "were worth) for a draft call about to land with them: arrived or timed_out "
+                                      "(the step then ran without them)", ["outcome"], registry=r)
         self.lookup_proposals = Counter("tandem:lookup_proposals", "Verifications whose drafts came from prompt "
                                         "lookup (the draft had none for them, or there is no draft)", registry=r)
         self.pipeline_lookups = Counter("tandem:pipeline_lookups", "Verifications whose next proposal was "

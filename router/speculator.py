@@ -10,7 +10,15 @@ from router.config import RouterConfig
 from router.core import Sequence
 from router.drafting import DraftLane, DraftWork
 from router.scheduler import Scheduler, StepPlan
-from router.spec_policy import BranchCost, Contention, DraftCost, StepCostModel, choose_k, expected_tokens
+from router.spec_policy import (
+    BranchCost,
+    Contention,
+    DraftCost,
+    StepCostModel,
+    choose_k,
+    expected_tokens,
+    worth_waiting_ms,
+)
 from router.speculation import Candidate, best_proposal, plan_branches, prune
 from tandem.v1 import common_pb2
 
@@ -123,6 +131,39 @@ class Speculator:
         elif drafted[0]:
             self.from_draft.add(seq.seq_id)
         return min(k, len(chosen[0]))
+
+    def grace_ms(self) -> float:
+        """How long the next step should wait for the draft call in flight: it carries the branches for
+        the outcome some decoders just had, and arriving a moment late it would leave them at k = 0 (or
+        a weaker lookup guess) for a whole step. Worth its expected tokens (worth_waiting_ms), and only
+        if the call is due within that time; a call overdue by its own expected time again, or already
+        waited for once, is not waited for: a slow or stuck draft never paces the target."""
+        work = self.draft.in_flight
+        if not self.config.pipeline or work is None or self.draft.waited_for or not self.draft.up:
+            return 0.0
+        elapsed = (time.perf_counter() - self.draft.started) * 1000
+        expected = self.draft_cost.rounds_ms(work.rounds, len(work.entries))
+        if elapsed > 2 * expected:
+            return 0.0
+        carried = {e.seq_id for e in work.entries if e.k > 0 or e.branches}
+        decoders = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
+        tokens = gain = 0.0
+        drafted = 0
+        for seq in decoders:
+            cap = self.cap(seq)
+            drafted += cap
+            with_draft = expected_tokens(seq.tracker.rate, cap)
+            if seq.seq_id in carried and cap and not any(p.start == seq.outcome_start for p in seq.prepared):
+                fallback = expected_tokens(seq.lookup_tracker.rate, len(self.lookup(seq)[0][:cap]))
+                tokens += fallback
+                gain += max(0.0, with_draft - fallback)
+            else:
+                tokens += with_draft
+        if gain == 0:
+            return 0.0
+        step_ms = self.cost.step_ms(len(decoders) + drafted, len(decoders)) * self.contention.factor
+        limit = worth_waiting_ms(step_ms, tokens, gain)
+        return limit if expected - elapsed <= limit else 0.0
 
     def shares_compute(self) -> bool:
         """Draft and target on the same cores or GPU: every branch the draft prepares slows the target."""

@@ -18,6 +18,7 @@ from router.spec_policy import (
     StepCostModel,
     choose_k,
     expected_tokens,
+    worth_waiting_ms,
 )
 
 CPU = StepCostModel(alpha=10.0, beta=1.2)  # compute-bound: every scored token costs (the module's prior)
@@ -449,3 +450,75 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
         slowed.contention.observe(13.0, 10.0, draft_busy=True)
     assert prepared_for(slowed) == {2}
     assert prepared_for(_speculator("host/cpu/0-1")) == {2}, "shared compute: no measurement needed"
+
+
+def test_waiting_for_proposals_is_worth_half_the_time_at_which_the_step_would_break_even():
+    """A step of 10 ms emitting 2 tokens; proposals adding 2 more would break even at a 10 ms wait
+    (4 tokens in 20 ms): the bet on their arriving in time takes half of that."""
+    assert worth_waiting_ms(10.0, 2.0, 2.0) == pytest.approx(5.0)
+    step, tokens, gain = 12.0, 5.0, 1.5
+    wait = worth_waiting_ms(step, tokens, gain)
+    assert (tokens + gain) / (step + 2 * wait) == pytest.approx(tokens / step)
+    assert worth_waiting_ms(10.0, 2.0, 0.0) == 0.0
+    assert worth_waiting_ms(10.0, 1.0, 3.0) == pytest.approx(5.0), "never more than half a step"
+
+
+def _late_decoder(spec, acceptance: float = 0.9):
+    """A decoding sequence whose last verification just ended; the draft call in flight carries its
+    branches for that outcome (the step loop's state right after the target answered)."""
+    import time
+
+    from router.core import GREEDY, Request, SeqStatus, Sequence
+    from router.drafting import DraftWork
+    from router.spec_policy import AcceptanceTracker
+    from tandem.v1 import draft_pb2
+
+    req = Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=64)
+    seq = Sequence(seq_id=1, request=req, tokens=[1, 2, 3, 4, 5], num_prompt=3, status=SeqStatus.RUNNING)
+    seq.target_cached, seq.outcome_start = 4, 4
+    seq.tracker = AcceptanceTracker(accepted=100 * acceptance, tried=100.0)
+    spec.scheduler.running.append(seq)
+    work = DraftWork(entries=[draft_pb2.ProposeEntry(seq_id=1, k=4, branches=[draft_pb2.Branch(accepted=0)])],
+                     seqs=[seq], rounds=5)
+    spec.draft.in_flight, spec.draft.started, spec.draft.waited_for = work, time.perf_counter(), False
+    return seq
+
+
+def test_the_next_step_waits_for_a_draft_call_about_to_land_with_the_proposal_a_decoder_needs():
+    """At high acceptance a proposal is worth most of a step; a call due now is worth waiting for."""
+    spec = _speculator("host/cpu/1")
+    _late_decoder(spec)
+    assert spec.grace_ms() == pytest.approx(0.5 * spec.cost.step_ms(5, 1))
+
+
+def test_no_wait_without_a_late_decoder_a_call_in_flight_or_with_a_call_waited_for_or_overdue():
+    from router.speculation import Prepared
+
+    spec = _speculator("host/cpu/1")
+    seq = _late_decoder(spec)
+    seq.prepared.append(Prepared(4, (5,), (6, 7), ()))
+    assert spec.grace_ms() == 0, "its branch for this outcome is here already"
+    seq.prepared.clear()
+    assert spec.grace_ms() > 0
+    spec.draft.waited_for = True
+    assert spec.grace_ms() == 0, "one wait per call: a call that missed it is not waited for again"
+    spec.draft.waited_for = False
+    spec.draft.started -= 2.5 * spec.draft_cost.rounds_ms(5, 1) / 1000
+    assert spec.grace_ms() == 0, "overdue by its own expected time again: a slow or stuck draft"
+    spec.draft.in_flight = None
+    assert spec.grace_ms() == 0
+    sequential = _speculator("host/cpu/1", pipeline=False)
+    _late_decoder(sequential)
+    assert sequential.grace_ms() == 0, "sequential drafting awaits its proposals anyway"
+
+
+def test_a_draft_call_due_later_than_its_proposals_are_worth_is_not_waited_for():
+    """Low acceptance makes a proposal worth little; a slow draft (its calls cost more than a step)
+    is not waited for however good its proposals."""
+    spec = _speculator("host/cpu/1")
+    _late_decoder(spec, acceptance=0.05)
+    assert spec.grace_ms() == 0
+    slow = _speculator("host/cpu/1")
+    slow.draft_cost.model.alpha = 100.0  # a call costs ten target steps
+    _late_decoder(slow)
+    assert slow.grace_ms() == 0
