@@ -36,8 +36,8 @@ def _ratio(num: float, den: float) -> float:
 def derive(d: Samples, wall: float) -> dict[str, float]:
     """Engine-side figures of one load, from the counter and histogram deltas over `wall` seconds.
     step_time{part}: target = the target's own forward time; draft = draft calls on the critical
-    path (before the Step); router = the rest of the step (RPCs, the router's Python, the services'
-    request handling)."""
+    path (before the Step: sequential proposals, pipelined waits for a call about to land); router =
+    the rest of the step (RPCs, the router's Python, the services' request handling)."""
     st = "tandem:step_time_seconds"
     steps = _get(d, f"{st}_count", part="target")
     drafted = _get(d, "tandem:spec_decode_num_draft_tokens_total")
@@ -61,6 +61,9 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
         # misses as shares of lookups: late = nothing prepared for the outcome yet, wrong = no branch matched
         "pipeline_miss_late": _ratio(_get(d, "tandem:pipeline_misses_total", reason="late"), lookups),
         "pipeline_miss_wrong": _ratio(_get(d, "tandem:pipeline_misses_total", reason="wrong"), lookups),
+        "pipeline_waits_per_step": _ratio(_get(d, "tandem:pipeline_waits_total"), steps),
+        "pipeline_waits_arrived": _ratio(_get(d, "tandem:pipeline_waits_total", outcome="arrived"),
+                                         _get(d, "tandem:pipeline_waits_total")),
         "draft_fallbacks": _get(d, "tandem:draft_fallbacks_total"),
         "preemptions": _get(d, "tandem:num_preemptions_total"),
         "generation_tokens": _get(d, "tandem:generation_tokens_total"),

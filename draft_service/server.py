@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from common.sampling import InvalidField
@@ -10,6 +12,7 @@ from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N, BranchSpec, Draf
 from engine.logits import Processors
 from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
+from engine.streams import CallStreams, request_deadline
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.DraftService"
@@ -25,6 +28,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n, sparse_q_mass, self.worker.eos_ids)
         self.worker.on_release.append(self.proposer.constraints.release)
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
+        self.streams = CallStreams()  # the open ProposeStreams
 
     @rpc_errors
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
@@ -42,6 +46,21 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                       context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
         self.worker.lease.check(context)
         return await self.worker.run(self._propose, request, call_deadline(context))
+
+    async def ProposeStream(self, requests: AsyncIterator[draft_pb2.ProposeRequest],
+                            context: grpc.aio.ServicerContext) -> None:
+        """Proposals over one long-lived stream (engine/streams.py)."""
+        await self.streams.serve(requests, context, self._streamed_propose)
+
+    @rpc_errors(name="ProposeStream")
+    async def _streamed_propose(self, request: draft_pb2.ProposeRequest,
+                                context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
+        self.worker.lease.check(context)
+        return await self.worker.run(self._propose, request, request_deadline(request))
+
+    def close_streams(self) -> None:
+        """Shutdown began: no proposal stream is kept open for a next call (serve()'s on_shutdown)."""
+        self.streams.close()
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,

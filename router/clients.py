@@ -142,21 +142,80 @@ class _Client:
             await channel.close()
 
 
+class _CallStream:
+    """Calls over one stream the client keeps open while it has work (engine/streams.py): a write and
+    a read per call, no call setup, about half a unary call's round trip. The stream is closed when
+    the caller idles, when a call fails, and every STREAM_LIFETIME_S, so its deadline can be finite;
+    each call has its own (timeout_ms, and the client's timer)."""
+
+    def __init__(self, client: _Client, method: str, what: str) -> None:
+        self._client = client
+        self._method = method  # the stub's stream method
+        self._what = what  # a call's result, in errors: "step", "proposal"
+        self._stream: grpc.aio.StreamStreamCall | None = None
+        self._stub = None  # the stub (so the channel) the stream belongs to
+        self._until = 0.0
+        self._last = 0.0
+        self._lock = asyncio.Lock()  # one call at a time on a stream: responses come back in order
+
+    async def call(self, request):  # noqa: ANN001, ANN201
+        async with self._lock:
+            return await self._call(request)
+
+    async def _call(self, request):  # noqa: ANN001, ANN202
+        client = self._client
+        stub = client.stub
+        if self._stream is None or self._stub is not stub or time.monotonic() > self._until:
+            self.close()
+            self._stream = getattr(stub, self._method)(timeout=STREAM_LIFETIME_S + 2 * client.timeout_s,
+                                                       metadata=client._metadata)
+            self._stub, self._until = stub, time.monotonic() + STREAM_LIFETIME_S
+        request.timeout_ms = int(client.timeout_s * 1000)
+        call = self._stream
+        try:
+            async with asyncio.timeout(client.timeout_s):
+                await call.write(request)
+                response = await call.read()
+        except TimeoutError:
+            self.close()
+            raise ServiceDown(f"DEADLINE_EXCEEDED: no {self._what} within {client.timeout_s:.0f}s") from None
+        except grpc.aio.AioRpcError as err:
+            self.close()
+            raise _translate(err) from None
+        except asyncio.InvalidStateError:  # the service ended the stream (shutting down) before this write
+            self.close()
+            raise ServiceDown(f"UNAVAILABLE: the service ended its {self._method}") from None
+        except BaseException:  # cancelled mid-call: the stream's next read would be this call's answer
+            self.close()
+            raise
+        if response is grpc.aio.EOF:
+            self.close()
+            raise ServiceDown(f"UNAVAILABLE: the service ended its {self._method} (shutting down)")
+        self._last = time.monotonic()
+        return response
+
+    def idle(self) -> None:
+        """The caller had nothing to send: after STREAM_IDLE_S of that its stream is closed, so that a
+        service shutting down does not wait its grace period for an idle stream."""
+        if self._stream is not None and time.monotonic() - self._last > STREAM_IDLE_S:
+            self.close()
+
+    def close(self) -> None:
+        """Idle, failed or too old: the service's handler ends (or, cancelled, forgets) it."""
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+
+
 class TargetClient(_Client):
-    """Steps go over one StepStream kept open while the router has work (a write and a read per step,
-    no call setup: about half a unary call's round trip); a traced step is a unary Step, since its
-    trace context travels as call metadata. The stream is closed when the router idles, when it fails,
-    and every STREAM_LIFETIME_S, so its deadline can be finite; each step has its own (timeout_s)."""
+    """Steps go over one StepStream (_CallStream); a traced step is a unary Step, since its trace
+    context travels as call metadata."""
 
     _stub_class = target_pb2_grpc.TargetServiceStub
 
     def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None, router_id: str = "") -> None:
         super().__init__(address, timeout_s, tls, router_id)
-        self._stream: grpc.aio.StreamStreamCall | None = None
-        self._stream_stub = None  # the stub (so the channel) the stream belongs to
-        self._stream_until = 0.0
-        self._last_step = 0.0
-        self._stepping = asyncio.Lock()  # one step at a time on a stream: responses come back in order
+        self.steps = _CallStream(self, "StepStream", "step result")
 
     async def step(self, entries: list[target_pb2.StepEntry],
                    metadata: tuple[tuple[str, str], ...] | None = None) -> target_pb2.StepResponse:
@@ -164,62 +223,41 @@ class TargetClient(_Client):
         request = target_pb2.StepRequest(entries=entries)
         if metadata:
             return await self._call(self.stub.Step, request, metadata=metadata)
-        async with self._stepping:
-            return await self._streamed(request)
-
-    async def _streamed(self, request: target_pb2.StepRequest) -> target_pb2.StepResponse:
-        stub = self.stub
-        if self._stream is None or self._stream_stub is not stub or time.monotonic() > self._stream_until:
-            self.close_stream()
-            self._stream = stub.StepStream(timeout=STREAM_LIFETIME_S + 2 * self.timeout_s, metadata=self._metadata)
-            self._stream_stub, self._stream_until = stub, time.monotonic() + STREAM_LIFETIME_S
-        request.timeout_ms = int(self.timeout_s * 1000)
-        call = self._stream
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await call.write(request)
-                response = await call.read()
-        except TimeoutError:
-            self.close_stream()
-            raise ServiceDown(f"DEADLINE_EXCEEDED: no step result within {self.timeout_s:.0f}s") from None
-        except grpc.aio.AioRpcError as err:
-            self.close_stream()
-            raise _translate(err) from None
-        except asyncio.InvalidStateError:  # the service ended the stream (shutting down) before this write
-            self.close_stream()
-            raise ServiceDown("UNAVAILABLE: the target ended its step stream") from None
-        except BaseException:  # cancelled mid-step: the stream's next read would be this step's answer
-            self.close_stream()
-            raise
-        if response is grpc.aio.EOF:
-            self.close_stream()
-            raise ServiceDown("UNAVAILABLE: the target ended its step stream (shutting down)")
-        self._last_step = time.monotonic()
-        return response
+        return await self.steps.call(request)
 
     def idle(self) -> None:
-        """The router had nothing to step: after STREAM_IDLE_S of that its stream is closed, so that a
-        service shutting down does not wait its grace period for an idle stream."""
-        if self._stream is not None and time.monotonic() - self._last_step > STREAM_IDLE_S:
-            self.close_stream()
+        self.steps.idle()
 
     def close_stream(self) -> None:
-        """Idle, failed or too old: the service's handler ends (or, cancelled, forgets) it."""
-        if self._stream is not None:
-            self._stream.cancel()
-            self._stream = None
+        self.steps.close()
 
     async def close(self) -> None:
-        self.close_stream()
+        self.steps.close()
         await super().close()
 
 
 class DraftClient(_Client):
+    """Proposals go over one ProposeStream (_CallStream); a traced call is a unary Propose."""
+
     _stub_class = draft_pb2_grpc.DraftServiceStub
+
+    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None, router_id: str = "") -> None:
+        super().__init__(address, timeout_s, tls, router_id)
+        self.proposals = _CallStream(self, "ProposeStream", "proposals")
 
     async def sync(self, chunks: list[draft_pb2.Chunk]) -> draft_pb2.SyncResponse:
         return await self._call(self.stub.Sync, draft_pb2.SyncRequest(chunks=chunks))
 
     async def propose(self, entries: list[draft_pb2.ProposeEntry],
                       metadata: tuple[tuple[str, str], ...] | None = None) -> draft_pb2.ProposeResponse:
-        return await self._call(self.stub.Propose, draft_pb2.ProposeRequest(entries=entries), metadata=metadata)
+        request = draft_pb2.ProposeRequest(entries=entries)
+        if metadata:
+            return await self._call(self.stub.Propose, request, metadata=metadata)
+        return await self.proposals.call(request)
+
+    def idle(self) -> None:
+        self.proposals.idle()
+
+    async def close(self) -> None:
+        self.proposals.close()
+        await super().close()

@@ -194,6 +194,11 @@ class DraftLane:
             if task:
                 task.cancel()
 
+    def rest(self) -> None:
+        """The router had nothing to do: its proposal stream closes after a while (clients._CallStream)."""
+        if self.client is not None and self.idle:
+            self.client.idle()
+
     # ---- calls ---------------------------------------------------------------------------------
     def launch(self, work: DraftWork, trace: StepTrace | None = None) -> None:
         """Run the call in the background (one at a time); its results land on the sequences.

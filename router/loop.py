@@ -81,6 +81,7 @@ class StepLoop:
             return True
         if plan.empty:
             self.target.idle()
+            self.draft.rest()
             if self.draft.up and self.draft.idle:
                 work = self.spec.waiting_work()
                 self.draft.launch(work, self.tracer.step(None, self.steps) if self.tracer is not None else None)

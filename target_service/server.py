@@ -7,7 +7,6 @@ All model work (validation against cache state included) runs on the ModelWorker
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import zlib
@@ -24,6 +23,7 @@ from engine.logits import Context, Processors, TokenHistory
 from engine.runner import CacheMiss, InvalidInput, ModelRunner, SeqInput
 from engine.sampling import logprobs_of
 from engine.service import ModelWorker, call_deadline, rpc_errors, sampling_spec, still_wanted
+from engine.streams import CallStreams, request_deadline
 from engine.transfer import to_lists
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.acceptance import (
@@ -69,8 +69,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.runner: ModelRunner = worker.runner
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
         self.history = TokenHistory()  # token ids of sequences with penalties (engine/logits.py)
-        self._closing = False  # shutdown began: step streams end (close_streams)
-        self._waiting_streams: set[asyncio.Task] = set()  # StepStream handlers waiting for their next step
+        self.streams = CallStreams()  # the open StepStreams
         worker.on_release.append(self.history.release)
 
     # ---- RPCs -----------------------------------------------------------------------------
@@ -86,37 +85,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def StepStream(self, requests: AsyncIterator[target_pb2.StepRequest],
                          context: grpc.aio.ServicerContext) -> None:
-        """Steps over one long-lived stream: a failing step ends it with that step's status (abort).
-        Shutting down ends a stream waiting for its next step at once, one in a step after that step,
-        as Step refuses calls from then on."""
-        task = asyncio.current_task()
-        assert task is not None
-        while not self._closing:
-            self._waiting_streams.add(task)
-            try:
-                request = await context.read()
-            except asyncio.CancelledError:
-                if self._closing:
-                    return  # close_streams(): the caller reads the end of the stream
-                raise
-            finally:
-                self._waiting_streams.discard(task)
-            if request is grpc.aio.EOF:
-                return
-            await context.write(await self._streamed_step(request, context))
+        """Steps over one long-lived stream (engine/streams.py)."""
+        await self.streams.serve(requests, context, self._streamed_step)
 
     @rpc_errors(name="StepStream")
     async def _streamed_step(self, request: target_pb2.StepRequest,
                              context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
         self.worker.lease.check(context)
-        deadline = time.monotonic() + request.timeout_ms / 1000 if request.timeout_ms else None
-        return await self.worker.run(self.step, request, deadline)
+        return await self.worker.run(self.step, request, request_deadline(request))
 
     def close_streams(self) -> None:
         """Shutdown began: no step stream is kept open for a next step (serve()'s on_shutdown)."""
-        self._closing = True
-        for task in self._waiting_streams:
-            task.cancel()
+        self.streams.close()
 
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest,

@@ -52,14 +52,20 @@ def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_si
 
 def start_draft(model_dir: Path, num_blocks: int = 256, port: int = 0, transport: Transport | None = None,
                 alter: Callable[[draft_server.DraftServicer], None] | None = None,
-                tracing: Tracing | None = None) -> tuple[RunningServer, ModelRunner]:
+                tracing: Tracing | None = None, grace_seconds: float = 5.0) -> tuple[RunningServer, ModelRunner]:
     """alter: changes the servicer before it serves (a test's misbehaving draft)."""
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=16, device="cpu"))
     servicer = draft_server.create_servicer(runner, tracing=tracing)
     if alter is not None:
         alter(servicer)
     return start_server(lambda s: draft_server.register(s, servicer), draft_server.SERVICE_NAME, port,
-                        transport=transport), runner
+                        grace_seconds=grace_seconds, transport=transport, on_shutdown=servicer.close_streams), runner
+
+
+def alter_proposals(servicer: draft_server.DraftServicer, wrap: Callable) -> None:  # type: ignore[type-arg]
+    """Both ways a router proposes, a unary Propose and each call of a ProposeStream, go through wrap(handler)."""
+    servicer.Propose = wrap(servicer.Propose)  # type: ignore[method-assign]
+    servicer._streamed_propose = wrap(servicer._streamed_propose)  # type: ignore[method-assign]
 
 
 @dataclass

@@ -14,7 +14,7 @@ from router.config import RouterConfig
 from router.lanes import IncompatibleLimits
 from tandem.v1 import draft_pb2
 from tests.conftest import hf_greedy
-from tests.stack import REALISTIC_STEP_S, complete, start_draft, start_router, start_target, wait_until
+from tests.stack import REALISTIC_STEP_S, alter_proposals, complete, start_draft, start_router, start_target, wait_until
 from tests.test_router_integration import metric, prompts
 
 POISON = 311  # the fault-injecting target fails every step starting a sequence with it
@@ -103,14 +103,14 @@ def test_any_draft_failure_is_k_0_never_a_failed_request(model_pair):
     target_dir, draft_dir = model_pair
     target, _ = start_target(target_dir, step_delay_s=REALISTIC_STEP_S)
 
-    def one_proposal_short(servicer) -> None:  # noqa: ANN001
-        propose = servicer.Propose
-
+    def short(propose):  # noqa: ANN001, ANN202
         async def broken(request, context):  # noqa: ANN001, ANN202
             response = await propose(request, context)
             return draft_pb2.ProposeResponse(proposals=list(response.proposals)[1:], forward_ms=response.forward_ms)
+        return broken
 
-        servicer.Propose = broken
+    def one_proposal_short(servicer) -> None:  # noqa: ANN001
+        alter_proposals(servicer, short)
 
     draft, _ = start_draft(draft_dir, alter=one_proposal_short)
     router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=16), target.address, draft.address,
@@ -149,19 +149,19 @@ def _load_wall(url: str, ps: list[list[int]], n: int) -> float:
 
 
 def test_a_draft_slower_than_its_deadline_costs_no_throughput(model_pair):
-    """Every Propose outlasts --draft-timeout. The step loop never waits for the draft, so the same load
+    """Every Propose outlasts --draft-timeout. The step loop never waits for a draft that slow, so the same load
     takes about as long as with no draft at all (before: 3.4x as long, the draft pacing every step)."""
     target_dir, draft_dir = model_pair
     target, _ = start_target(target_dir, step_delay_s=REALISTIC_STEP_S)
 
-    def too_slow(servicer) -> None:  # noqa: ANN001
-        propose = servicer.Propose
-
+    def slowed(propose):  # noqa: ANN001, ANN202
         async def slow(request, context):  # noqa: ANN001, ANN202
             await asyncio.sleep(1.5)
             return await propose(request, context)
+        return slow
 
-        servicer.Propose = slow
+    def too_slow(servicer) -> None:  # noqa: ANN001
+        alter_proposals(servicer, slowed)
 
     draft, _ = start_draft(draft_dir, alter=too_slow)
     config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=16, draft_timeout_s=1.0)

@@ -49,14 +49,14 @@ def test_steps_over_the_stream_decode_like_transformers_and_a_failed_step_costs_
         try:
             [r] = (await client.step([entry(1, 0, ids)])).results
             got = list(r.tokens)
-            first = client._stream
+            first = client.steps._stream
             with pytest.raises(CacheMissError):  # seq 1 holds 12 tokens, not 40
                 await client.step([entry(1, 40, [got[-1]])])
-            assert client._stream is None  # the failed step ended the stream
+            assert client.steps._stream is None  # the failed step ended the stream
             for _ in range(5):
                 [r] = (await client.step([entry(1, 12 + len(got) - 1, [got[-1]])])).results
                 got += list(r.tokens)
-            assert client._stream is not None and client._stream is not first  # a new one, kept open
+            assert client.steps._stream is not None and client.steps._stream is not first  # a new one, kept open
             return got
         finally:
             await client.close()
@@ -75,7 +75,7 @@ def test_a_step_slower_than_its_deadline_is_service_down_and_the_next_step_works
         try:
             with pytest.raises(ServiceDown, match="DEADLINE_EXCEEDED"):
                 await client.step([entry(1, 0, prompt(8))])
-            assert client._stream is None
+            assert client.steps._stream is None
             client.timeout_s = 30  # the service is slow, not gone: a patient step gets its answer
             [r] = (await client.step([entry(2, 0, prompt(8))])).results
             assert r.cached_len == 8 and len(r.tokens) == 1

@@ -1,0 +1,79 @@
+"""DraftService.ProposeStream through the router's DraftClient, over real gRPC on loopback: proposals
+over the stream are the unary Propose's; a call that fails ends the stream with its error and the next
+opens a new one; a service shutting down does not wait its grace period for a waiting stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from router.clients import CacheMissError, DraftClient, ServiceDown
+from tandem.v1 import common_pb2, draft_pb2
+from tests.conftest import SMALL, write_checkpoint
+from tests.stack import start_draft
+
+GREEDY = common_pb2.SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(LlamaConfig(**SMALL), tmp_path_factory.mktemp("stream-draft"), seed=6)
+
+
+def entry(seq_id: int, start_pos: int, tokens: list[int], k: int = 3) -> draft_pb2.ProposeEntry:
+    return draft_pb2.ProposeEntry(seq_id=seq_id, start_pos=start_pos, tokens=tokens, k=k, sampling=GREEDY)
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(0, SMALL["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def test_proposals_over_the_stream_are_the_unary_calls_and_a_failed_call_costs_only_itself(model_dir):
+    server, _ = start_draft(model_dir)
+    ids = prompt(10)
+
+    async def run() -> tuple[list[int], list[int]]:
+        client = DraftClient(server.address, timeout_s=30)
+        try:
+            [streamed] = (await client.propose([entry(1, 0, ids)])).proposals
+            first = client.proposals._stream
+            assert first is not None, "the stream stays open for the next call"
+            with pytest.raises(CacheMissError):  # seq 1's cache ends well before position 40
+                await client.propose([entry(1, 40, [5])])
+            assert client.proposals._stream is None, "the failed call ended the stream"
+            unary = await client._call(client.stub.Propose, draft_pb2.ProposeRequest(entries=[entry(2, 0, ids)]))
+            [again] = (await client.propose([entry(3, 0, ids)])).proposals
+            assert client.proposals._stream is not None and client.proposals._stream is not first
+            assert list(again.tokens) == list(streamed.tokens)
+            return list(streamed.tokens), list(unary.proposals[0].tokens)
+        finally:
+            await client.close()
+
+    try:
+        streamed, unary = asyncio.run(run())
+        assert len(streamed) == 3 and streamed == unary
+    finally:
+        server.stop()
+
+
+def test_shutdown_ends_a_proposal_stream_waiting_for_its_next_call_at_once(model_dir):
+    grace = 60.0
+    server, _ = start_draft(model_dir, grace_seconds=grace)
+
+    async def run() -> None:
+        client = DraftClient(server.address, timeout_s=30)
+        try:
+            await client.propose([entry(1, 0, prompt(8))])  # the stream stays open, waiting
+            t0 = time.monotonic()
+            await asyncio.to_thread(server.stop, grace + 10)
+            assert time.monotonic() - t0 < grace / 3, "shutdown waited for the idle stream"
+            with pytest.raises(ServiceDown):
+                await client.propose([entry(1, 8, [1])])
+        finally:
+            await client.close()
+
+    asyncio.run(run())
