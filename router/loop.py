@@ -130,6 +130,7 @@ class StepLoop:
         t0 = time.perf_counter()
         self.draft.waited_for = True
         await self.draft.wait(grace_ms / 1000)
+        self.spec.wait_odds.observe(self.draft.idle)
         self.metrics.pipeline_waits.labels(outcome="arrived" if self.draft.idle else "timed_out").inc()
         return (time.perf_counter() - t0) * 1000
 

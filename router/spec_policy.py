@@ -134,11 +134,7 @@ class DraftCost:
             self.model.observe(rounds, ms, rounds * entries)
 
     def call_ms(self, max_k: int, entries: int = 1) -> float:
-        return self.rounds_ms(max_k + 1, entries)
-
-    def rounds_ms(self, rounds: int, entries: int = 1) -> float:
-        """A call of `rounds` batched rounds over `entries` sequences."""
-        return self.model.step_ms(rounds, rounds * entries)
+        return self.model.step_ms(max_k + 1, (max_k + 1) * entries)
 
     def step(self, target_ms: float, max_k: int, entries: int = 1) -> tuple[float, float]:
         """(the step's time, the share of steps the draft's proposals are ready for)."""
@@ -151,14 +147,32 @@ class DraftCost:
         return step_ms, min(1.0, step_ms / draft_ms)
 
 
-def worth_waiting_ms(step_ms: float, tokens: float, gain: float) -> float:
+def worth_waiting_ms(step_ms: float, tokens: float, gain: float, odds: float) -> float:
     """How long a step may wait for proposals that add `gain` expected tokens to the `tokens` it emits
-    without them, at even odds that they arrive in time: waiting w pays while (tokens + gain) / (step +
-    w) > tokens / step, i.e. w < step * gain / tokens; half of that is the bet on arriving. Never more
-    than half a step: a call later than that is not about to land, whatever its proposals are worth."""
+    without them, when they arrive in time with probability `odds`: waiting w pays while (tokens + gain)
+    / (step + w) > tokens / step, i.e. w < step * gain / tokens, and a wait that may be in vain is
+    worth that times its odds. Never more than half a step: a call later than that is not about to
+    land, whatever its proposals are worth."""
     if gain <= 0 or tokens <= 0:
         return 0.0
-    return 0.5 * step_ms * min(1.0, gain / tokens)
+    return step_ms * min(0.5, odds * gain / tokens)
+
+
+@dataclass
+class WaitOdds:
+    """The decayed share of waits for a draft call that saw it arrive in time; prior one in two."""
+
+    arrived: float = 1.0
+    waits: float = 2.0
+    decay: float = 0.95
+
+    @property
+    def rate(self) -> float:
+        return self.arrived / self.waits
+
+    def observe(self, arrived: bool) -> None:
+        self.arrived = self.decay * self.arrived + arrived
+        self.waits = self.decay * self.waits + 1
 
 
 def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCostModel,

@@ -15,6 +15,7 @@ from router.spec_policy import (
     Contention,
     DraftCost,
     StepCostModel,
+    WaitOdds,
     choose_k,
     expected_tokens,
     worth_waiting_ms,
@@ -41,6 +42,7 @@ class Speculator:
         self.contention = Contention()  # ... and how much slower it runs while the draft works
         self.draft_cost = DraftCost(pipelined=config.pipeline)
         self.branch_cost = BranchCost()
+        self.wait_odds = WaitOdds()  # how often a wait for the draft saw its call arrive (grace_ms)
         self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
         self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
@@ -135,14 +137,15 @@ class Speculator:
     def grace_ms(self) -> float:
         """How long the next step should wait for the draft call in flight: it carries the branches for
         the outcome some decoders just had, and arriving a moment late it would leave them at k = 0 (or
-        a weaker lookup guess) for a whole step. Worth its expected tokens (worth_waiting_ms), and only
-        if the call is due within that time; a call overdue by its own expected time again, or already
-        waited for once, is not waited for: a slow or stuck draft never paces the target."""
+        a weaker lookup guess) for a whole step. Worth its expected tokens at the odds past waits had
+        (worth_waiting_ms), and only if the call is due within that time (BranchCost's estimate); a
+        call overdue by its expected time again, or already waited for once, is not waited for: a slow
+        or stuck draft never paces the target."""
         work = self.draft.in_flight
         if not self.config.pipeline or work is None or self.draft.waited_for or not self.draft.up:
             return 0.0
         elapsed = (time.perf_counter() - self.draft.started) * 1000
-        expected = self.draft_cost.rounds_ms(work.rounds, len(work.entries))
+        expected = self.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
         if elapsed > 2 * expected:
             return 0.0
         carried = {e.seq_id for e in work.entries if e.k > 0 or e.branches}
@@ -162,7 +165,7 @@ class Speculator:
         if gain == 0:
             return 0.0
         step_ms = self.cost.step_ms(len(decoders) + drafted, len(decoders)) * self.contention.factor
-        limit = worth_waiting_ms(step_ms, tokens, gain)
+        limit = worth_waiting_ms(step_ms, tokens, gain, self.wait_odds.rate)
         return limit if expected - elapsed <= limit else 0.0
 
     def shares_compute(self) -> bool:

@@ -16,6 +16,7 @@ from router.spec_policy import (
     Contention,
     DraftCost,
     StepCostModel,
+    WaitOdds,
     choose_k,
     expected_tokens,
     worth_waiting_ms,
@@ -452,15 +453,27 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
     assert prepared_for(_speculator("host/cpu/0-1")) == {2}, "shared compute: no measurement needed"
 
 
-def test_waiting_for_proposals_is_worth_half_the_time_at_which_the_step_would_break_even():
+def test_waiting_for_proposals_is_worth_their_odds_of_the_time_at_which_the_step_would_break_even():
     """A step of 10 ms emitting 2 tokens; proposals adding 2 more would break even at a 10 ms wait
-    (4 tokens in 20 ms): the bet on their arriving in time takes half of that."""
-    assert worth_waiting_ms(10.0, 2.0, 2.0) == pytest.approx(5.0)
+    (4 tokens in 20 ms): at even odds of their arriving in time the wait is worth half of that."""
+    assert worth_waiting_ms(10.0, 2.0, 2.0, odds=0.5) == pytest.approx(5.0)
     step, tokens, gain = 12.0, 5.0, 1.5
-    wait = worth_waiting_ms(step, tokens, gain)
-    assert (tokens + gain) / (step + 2 * wait) == pytest.approx(tokens / step)
-    assert worth_waiting_ms(10.0, 2.0, 0.0) == 0.0
-    assert worth_waiting_ms(10.0, 1.0, 3.0) == pytest.approx(5.0), "never more than half a step"
+    wait = worth_waiting_ms(step, tokens, gain, odds=1.0)
+    assert (tokens + gain) / (step + wait) == pytest.approx(tokens / step)
+    assert worth_waiting_ms(step, tokens, gain, odds=0.2) == pytest.approx(0.2 * wait)
+    assert worth_waiting_ms(10.0, 2.0, 0.0, odds=1.0) == 0.0
+    assert worth_waiting_ms(10.0, 1.0, 3.0, odds=1.0) == pytest.approx(5.0), "never more than half a step"
+
+
+def test_wait_odds_follow_how_often_waits_saw_the_call_arrive():
+    odds = WaitOdds()
+    assert odds.rate == 0.5
+    for _ in range(100):
+        odds.observe(arrived=False)
+    assert odds.rate < 0.05
+    for _ in range(100):
+        odds.observe(arrived=True)
+    assert odds.rate > 0.95
 
 
 def _late_decoder(spec, acceptance: float = 0.9):
@@ -479,7 +492,7 @@ def _late_decoder(spec, acceptance: float = 0.9):
     seq.tracker = AcceptanceTracker(accepted=100 * acceptance, tried=100.0)
     spec.scheduler.running.append(seq)
     work = DraftWork(entries=[draft_pb2.ProposeEntry(seq_id=1, k=4, branches=[draft_pb2.Branch(accepted=0)])],
-                     seqs=[seq], rounds=5)
+                     seqs=[seq], rounds=5, branches=1)
     spec.draft.in_flight, spec.draft.started, spec.draft.waited_for = work, time.perf_counter(), False
     return seq
 
@@ -489,6 +502,12 @@ def test_the_next_step_waits_for_a_draft_call_about_to_land_with_the_proposal_a_
     spec = _speculator("host/cpu/1")
     _late_decoder(spec)
     assert spec.grace_ms() == pytest.approx(0.5 * spec.cost.step_ms(5, 1))
+    for _ in range(5):
+        spec.wait_odds.observe(arrived=False)
+    assert 0 < spec.grace_ms() < 0.45 * spec.cost.step_ms(5, 1), "waits that time out shrink the bet"
+    for _ in range(30):
+        spec.wait_odds.observe(arrived=False)
+    assert spec.grace_ms() == 0, "... until a call due now is not worth waiting for"
 
 
 def test_no_wait_without_a_late_decoder_a_call_in_flight_or_with_a_call_waited_for_or_overdue():
@@ -503,7 +522,7 @@ def test_no_wait_without_a_late_decoder_a_call_in_flight_or_with_a_call_waited_f
     spec.draft.waited_for = True
     assert spec.grace_ms() == 0, "one wait per call: a call that missed it is not waited for again"
     spec.draft.waited_for = False
-    spec.draft.started -= 2.5 * spec.draft_cost.rounds_ms(5, 1) / 1000
+    spec.draft.started -= 2.5 * spec.branch_cost.call_ms(5, 4) / 1000
     assert spec.grace_ms() == 0, "overdue by its own expected time again: a slow or stuck draft"
     spec.draft.in_flight = None
     assert spec.grace_ms() == 0
@@ -519,6 +538,6 @@ def test_a_draft_call_due_later_than_its_proposals_are_worth_is_not_waited_for()
     _late_decoder(spec, acceptance=0.05)
     assert spec.grace_ms() == 0
     slow = _speculator("host/cpu/1")
-    slow.draft_cost.model.alpha = 100.0  # a call costs ten target steps
+    slow.branch_cost.a = 100.0  # a call costs ten target steps
     _late_decoder(slow)
     assert slow.grace_ms() == 0
