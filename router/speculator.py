@@ -138,16 +138,15 @@ class Speculator:
         """How long the next step should wait for the draft call in flight: it carries the branches for
         the outcome some decoders just had, and arriving a moment late it would leave them at k = 0 (or
         a weaker lookup guess) for a whole step. Worth its expected tokens at the odds past waits had
-        (worth_waiting_ms), and only if the call is due within that time (BranchCost's estimate); a
-        call overdue by its expected time again, or already waited for once, is not waited for: a slow
-        or stuck draft never paces the target."""
+        (worth_waiting_ms), and only if the call is due within that time (BranchCost's estimate; an
+        overdue call may be about to land too: on shared cores a call slows while the target computes
+        and finishes fast once it is done). Once per call; a slow or stuck draft makes the waits time
+        out, and the odds fall until no wait is worth it: it never paces the target."""
         work = self.draft.in_flight
         if not self.config.pipeline or work is None or self.draft.waited_for or not self.draft.up:
             return 0.0
         elapsed = (time.perf_counter() - self.draft.started) * 1000
         expected = self.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
-        if elapsed > 2 * expected:
-            return 0.0
         carried = {e.seq_id for e in work.entries if e.k > 0 or e.branches}
         decoders = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
         tokens = gain = 0.0
