@@ -147,7 +147,9 @@ class Speculator:
             return 0.0
         elapsed = (time.perf_counter() - self.draft.started) * 1000
         expected = self.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
-        carried = {e.seq_id for e in work.entries if e.k > 0 or e.branches}
+        # the sequences it prepares proposals for, at the history each had when it was sent
+        carried = {e.seq_id: len(base) - e.num_verifying for e, base in zip(work.entries, work.bases, strict=True)
+                   if e.k > 0 or e.branches}
         decoders = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
         tokens = gain = 0.0
         drafted = 0
@@ -155,7 +157,8 @@ class Speculator:
             cap = self.cap(seq)
             drafted += cap
             with_draft = expected_tokens(seq.tracker.rate, cap)
-            if seq.seq_id in carried and cap and not any(p.start == seq.outcome_start for p in seq.prepared):
+            if carried.get(seq.seq_id) == seq.outcome_start and cap and not any(
+                    p.start == seq.outcome_start for p in seq.prepared):
                 fallback = expected_tokens(seq.lookup_tracker.rate, len(self.lookup(seq)[0][:cap]))
                 tokens += fallback
                 gain += max(0.0, with_draft - fallback)

@@ -491,8 +491,8 @@ def _late_decoder(spec, acceptance: float = 0.9):
     seq.target_cached, seq.outcome_start = 4, 4
     seq.tracker = AcceptanceTracker(accepted=100 * acceptance, tried=100.0)
     spec.scheduler.running.append(seq)
-    work = DraftWork(entries=[draft_pb2.ProposeEntry(seq_id=1, k=4, branches=[draft_pb2.Branch(accepted=0)])],
-                     seqs=[seq], rounds=5, branches=1)
+    entry = draft_pb2.ProposeEntry(seq_id=1, k=4, num_verifying=0, branches=[draft_pb2.Branch(accepted=0)])
+    work = DraftWork(entries=[entry], seqs=[seq], bases=[seq.tokens[:4]], rounds=5, branches=1)
     spec.draft.in_flight, spec.draft.started, spec.draft.waited_for = work, time.perf_counter(), False
     return seq
 
@@ -523,6 +523,10 @@ def test_no_wait_without_a_late_decoder_or_a_call_in_flight_or_for_a_call_waited
     assert spec.grace_ms() > 0
     spec.draft.waited_for = True
     assert spec.grace_ms() == 0, "one wait per call: a call that missed it is not waited for again"
+    spec.draft.waited_for = False
+    seq.outcome_start = 5
+    assert spec.grace_ms() == 0, "the call in flight was sent for an earlier outcome: it brings nothing for this one"
+    seq.outcome_start = 4
     spec.draft.waited_for = False
     spec.draft.in_flight = None
     assert spec.grace_ms() == 0
