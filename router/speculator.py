@@ -246,11 +246,13 @@ class Speculator:
         work, budget = DraftWork(), self.draft.budget
         cands: list[tuple[Sequence, list[int], Candidate]] = []
         # Where it slows the target, a draft whose proposals no decoder took this step is pure cost: it
-        # prepares nothing for sequences on prompt lookup, only for those that want its proposal.
+        # prepares nothing for sequences on prompt lookup whose lookups beat even a full proposal of its
+        # own. A sequence on lookup only because the draft had nothing ready for it (late) is not one:
+        # resting the draft for it would keep it late, and on lookup, for as long as lookup has offers.
         idle_draft = self.draft_slows_target() and not self.from_draft
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
-                if idle_draft and seq.seq_id in self.from_lookup:
+                if idle_draft and seq.seq_id in self.from_lookup and self._prefers_lookup(seq, seq.next_k, len(drafts)):
                     continue
                 if seq.next_k > 0 and not seq.request.reproducible:
                     rate = (seq.lookup_tracker if seq.seq_id in self.from_lookup else seq.tracker).rate

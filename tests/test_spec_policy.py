@@ -424,19 +424,24 @@ def test_a_draft_on_other_cores_is_probed_too_and_treated_as_shared_once_it_meas
 
 
 def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_when_no_decoder_took_its_proposals():
-    """Its work would only slow the step: it prepares for the sequences that want its proposal. On its
-    own device (no slowdown measured) it prepares for both, so a sequence can switch back to it."""
+    """Its work would only slow the step: it prepares for the sequences that want its proposal, not for
+    those whose lookups beat even a full proposal of its own. On its own device (no slowdown measured)
+    it prepares for both, so a sequence can switch back to it."""
     from router.core import GREEDY, Request, Sequence
     from router.scheduler import StepPlan
+    from router.spec_policy import AcceptanceTracker
 
     def seq(seq_id: int) -> Sequence:
         req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8)
         s = Sequence(seq_id=seq_id, request=req, tokens=[1, 2, 3, 4], num_prompt=3)
         s.next_k = 2
+        s.tracker, s.lookup_tracker = AcceptanceTracker(accepted=2, tried=10), AcceptanceTracker(accepted=8, tried=10)
         return s
 
-    def prepared_for(spec) -> set[int]:
+    def prepared_for(spec, late: bool = False) -> set[int]:
         on_lookup, wanting = seq(1), seq(2)
+        if late:  # on lookup for want of a draft proposal, though the draft's are worth more
+            on_lookup.tracker, on_lookup.lookup_tracker = on_lookup.lookup_tracker, on_lookup.tracker
         spec.new_step()
         spec.from_lookup.add(on_lookup.seq_id)  # took lookup's proposal this step; no decoder took the draft's
         plan = StepPlan(decodes=[(on_lookup, 2), (wanting, 0)])
@@ -451,6 +456,8 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
         slowed.contention.observe(13.0, 10.0, draft_busy=True)
     assert prepared_for(slowed) == {2}
     assert prepared_for(_speculator("host/cpu/0-1")) == {2}, "shared compute: no measurement needed"
+    assert prepared_for(_speculator("host/cpu/0-1"), late=True) == {1, 2}, \
+        "resting the draft for a sequence it was merely late for would keep it late"
 
 
 def test_waiting_for_proposals_is_worth_their_odds_of_the_time_at_which_the_step_would_break_even():
