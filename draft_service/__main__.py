@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
+from common import aio
 from common.cli import env_settable
 from common.tracing import tracing_from_args
 from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m draft_service") -
     servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.sparse_top_n, args.sparse_q_mass,
                                tracing)
     try:
-        asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
+        aio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
                           args.grace_seconds, transport=transport, on_shutdown=servicer.close_streams))
     finally:
         if tracing is not None:

@@ -45,7 +45,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Propose(self, request: draft_pb2.ProposeRequest,
                       context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
         self.worker.lease.check(context)
-        return await self.worker.run(self._propose, request, call_deadline(context))
+        return await self.worker.run(self._propose, request, call_deadline(context), tokens=_tokens(request))
 
     async def ProposeStream(self, requests: AsyncIterator[draft_pb2.ProposeRequest],
                             context: grpc.aio.ServicerContext) -> None:
@@ -56,7 +56,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def _streamed_propose(self, request: draft_pb2.ProposeRequest,
                                 context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
         self.worker.lease.check(context)
-        return await self.worker.run(self._propose, request, request_deadline(request))
+        return await self.worker.run(self._propose, request, request_deadline(request), tokens=_tokens(request))
 
     def close_streams(self) -> None:
         """Shutdown began: no proposal stream is kept open for a next call (serve()'s on_shutdown)."""
@@ -105,6 +105,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             ],
             forward_ms=out.forward_ms, forwards=out.forwards,
         )
+
+
+def _tokens(request: draft_pb2.ProposeRequest) -> int:
+    """A call's size in tokens computed: what each entry feeds, then its rounds over its branches."""
+    return sum(len(e.tokens) + e.k * (1 + len(e.branches)) for e in request.entries)
 
 
 def _processors(e: draft_pb2.ProposeEntry, field: str) -> Processors | None:

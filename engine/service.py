@@ -131,6 +131,9 @@ def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
     return runner
 
 
+INLINE_TOKENS = 64  # a step of at most this many tokens may run on the event loop (ModelWorker.run)
+
+
 class ModelWorker:
     """Runs model work on one dedicated thread, so forwards never overlap and the event loop
     stays free for health checks and new calls while a step computes."""
@@ -144,13 +147,21 @@ class ModelWorker:
         self.compute_id = compute_id(runner.device)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.in_flight = 0
+        # a GPU's work is queued asynchronously anyway, and CUDA streams are per thread: inline on CPU only
+        self.inline_tokens = INLINE_TOKENS if runner.device.type == "cpu" else 0
         self.lease = LeaseKeeper(self._free_all)
         self.on_release: list[Callable[[list[int]], None]] = []  # state kept beside the KV (engine/logits.py)
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, tokens: int | None = None) -> T:
+        """fn(*args) on the model thread. tokens: the size of a step; one of at most INLINE_TOKENS on
+        CPU runs on the event loop itself when nothing else is queued for the model thread (so still one
+        model call at a time): two thread hand-offs fewer per step, the loop held no longer than a
+        decode step."""
         self.in_flight += 1
         try:  # in a copy of the caller's context: its log fields and trace span reach the thread
             call = on_model_thread(functools.partial(fn, *args))
+            if tokens is not None and tokens <= self.inline_tokens and self.in_flight == 1:
+                return call()
             return await asyncio.get_running_loop().run_in_executor(self._thread, contextvars.copy_context().run, call)
         finally:
             self.in_flight -= 1

@@ -16,6 +16,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import aio
 from common.reload import POLL_S, reload_on_sighup
 from common.tls import reload_ssl_context, server_credentials, uvicorn_ssl
 from router import grpc_api
@@ -139,4 +140,4 @@ async def run(config: RouterConfig, endpoints: Endpoints, wait_s: float,
 
 def main_sync(config: RouterConfig, endpoints: Endpoints, wait_s: float,
               security: RouterSecurity | None = None) -> None:
-    asyncio.run(run(config, endpoints, wait_s, security))
+    aio.run(run(config, endpoints, wait_s, security))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
+from common import aio
 from common.cli import env_settable
 from common.logs import setup_logging
 from common.tracing import tracing_from_args
@@ -68,7 +68,7 @@ def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport) 
     log.info("target %s: max_draft_tokens %d%s", servicer.worker.model_id, args.max_draft_tokens,
              f"; tensor parallel over {tp.size} ranks" if tp else "")
     try:
-        asyncio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
+        aio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
                           args.grace_seconds, transport=transport, on_shutdown=servicer.close_streams))
     finally:
         if tracing is not None:

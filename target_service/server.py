@@ -81,7 +81,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @rpc_errors
     async def Step(self, request: target_pb2.StepRequest, context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
         self.worker.lease.check(context)
-        return await self.worker.run(self.step, request, call_deadline(context))
+        return await self.worker.run(self.step, request, call_deadline(context), tokens=_tokens(request))
 
     async def StepStream(self, requests: AsyncIterator[target_pb2.StepRequest],
                          context: grpc.aio.ServicerContext) -> None:
@@ -92,7 +92,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def _streamed_step(self, request: target_pb2.StepRequest,
                              context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
         self.worker.lease.check(context)
-        return await self.worker.run(self.step, request, request_deadline(request))
+        return await self.worker.run(self.step, request, request_deadline(request), tokens=_tokens(request))
 
     def close_streams(self) -> None:
         """Shutdown began: no step stream is kept open for a next step (serve()'s on_shutdown)."""
@@ -314,6 +314,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise InvalidInput(field, f"draft token {token} has no probability in its own distribution")
             dists.append(SparseDist(ids, probs))
         return dists
+
+
+def _tokens(request: target_pb2.StepRequest) -> int:
+    """A step's size: the tokens it scores (a sibling entry forks, computing nothing)."""
+    return sum(len(e.tokens) for e in request.entries)
 
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
