@@ -230,6 +230,8 @@ class StepLoop:
                 if outcome is None:
                     continue
                 self.metrics.pipeline_lookups.inc()
+                if outcome != "late":
+                    self.spec.match_odds.observe(outcome == "hit")
                 if outcome == "hit":
                     self.metrics.pipeline_hits.inc()
                 else:

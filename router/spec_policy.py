@@ -159,20 +159,21 @@ def worth_waiting_ms(step_ms: float, tokens: float, gain: float, odds: float) ->
 
 
 @dataclass
-class WaitOdds:
-    """The decayed share of waits for a draft call that saw it arrive in time; prior one in two."""
+class Odds:
+    """A decayed share of tries that succeeded (a wait that saw its call arrive, a prepared branch that
+    matched the outcome); prior one in two."""
 
-    arrived: float = 1.0
-    waits: float = 2.0
+    hits: float = 1.0
+    tries: float = 2.0
     decay: float = 0.95
 
     @property
     def rate(self) -> float:
-        return self.arrived / self.waits
+        return self.hits / self.tries
 
-    def observe(self, arrived: bool) -> None:
-        self.arrived = self.decay * self.arrived + arrived
-        self.waits = self.decay * self.waits + 1
+    def observe(self, hit: bool) -> None:
+        self.hits = self.decay * self.hits + hit
+        self.tries = self.decay * self.tries + 1
 
 
 def choose_k(rates: list[float], caps: list[int], base_tokens: int, cost: StepCostModel,

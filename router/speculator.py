@@ -14,8 +14,8 @@ from router.spec_policy import (
     BranchCost,
     Contention,
     DraftCost,
+    Odds,
     StepCostModel,
-    WaitOdds,
     choose_k,
     expected_tokens,
     worth_waiting_ms,
@@ -42,7 +42,8 @@ class Speculator:
         self.contention = Contention()  # ... and how much slower it runs while the draft works
         self.draft_cost = DraftCost(pipelined=config.pipeline)
         self.branch_cost = BranchCost()
-        self.wait_odds = WaitOdds()  # how often a wait for the draft saw its call arrive (grace_ms)
+        self.wait_odds = Odds()  # how often a wait for the draft saw its call arrive (grace_ms)
+        self.match_odds = Odds()  # how often a decoder's prepared branches held its outcome (hit vs wrong)
         self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
         self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
@@ -137,10 +138,11 @@ class Speculator:
     def grace_ms(self) -> float:
         """How long the next step should wait for the draft call in flight: it carries the branches for
         the outcome some decoders just had, and arriving a moment late it would leave them at k = 0 (or
-        a weaker lookup guess) for a whole step. Worth its expected tokens at the odds past waits had
-        (worth_waiting_ms), and only if the call is due within that time (BranchCost's estimate; an
-        overdue call may be about to land too: on shared cores a call slows while the target computes
-        and finishes fast once it is done). Once per call; a slow or stuck draft makes the waits time
+        a weaker lookup guess) for a whole step. Worth its expected tokens when a branch names the
+        outcome (as often as past branches did), at the odds past waits had (worth_waiting_ms), and
+        only if the call is due within that time (BranchCost's estimate; an overdue call may be about
+        to land too: on shared cores a call slows while the target computes and finishes fast once it
+        is done). Once per call; a slow or stuck draft makes the waits time
         out, and the odds fall until no wait is worth it: it never paces the target."""
         work = self.draft.in_flight
         if not self.config.pipeline or work is None or self.draft.waited_for or not self.draft.up:
@@ -161,7 +163,7 @@ class Speculator:
                     p.start == seq.outcome_start for p in seq.prepared):
                 fallback = expected_tokens(seq.lookup_tracker.rate, len(self.lookup(seq)[0][:cap]))
                 tokens += fallback
-                gain += max(0.0, with_draft - fallback)
+                gain += max(0.0, with_draft - fallback) * self.match_odds.rate  # if a branch names the outcome
             else:
                 tokens += with_draft
         if gain == 0:

@@ -15,8 +15,8 @@ from router.spec_policy import (
     BranchCost,
     Contention,
     DraftCost,
+    Odds,
     StepCostModel,
-    WaitOdds,
     choose_k,
     expected_tokens,
     worth_waiting_ms,
@@ -472,14 +472,14 @@ def test_waiting_for_proposals_is_worth_their_odds_of_the_time_at_which_the_step
     assert worth_waiting_ms(10.0, 1.0, 3.0, odds=1.0) == pytest.approx(5.0), "never more than half a step"
 
 
-def test_wait_odds_follow_how_often_waits_saw_the_call_arrive():
-    odds = WaitOdds()
+def test_odds_follow_how_often_tries_succeeded():
+    odds = Odds()
     assert odds.rate == 0.5
     for _ in range(100):
-        odds.observe(arrived=False)
+        odds.observe(hit=False)
     assert odds.rate < 0.05
     for _ in range(100):
-        odds.observe(arrived=True)
+        odds.observe(hit=True)
     assert odds.rate > 0.95
 
 
@@ -508,12 +508,14 @@ def test_the_next_step_waits_for_a_draft_call_about_to_land_with_the_proposal_a_
     """At high acceptance a proposal is worth most of a step; a call due now is worth waiting for."""
     spec = _speculator("host/cpu/1")
     _late_decoder(spec)
+    for _ in range(30):
+        spec.match_odds.observe(hit=True)  # its branches have held the outcome
     assert spec.grace_ms() == pytest.approx(0.5 * spec.cost.step_ms(5, 1))
     for _ in range(5):
-        spec.wait_odds.observe(arrived=False)
+        spec.wait_odds.observe(hit=False)
     assert 0 < spec.grace_ms() < 0.45 * spec.cost.step_ms(5, 1), "waits that time out shrink the bet"
     for _ in range(30):
-        spec.wait_odds.observe(arrived=False)
+        spec.wait_odds.observe(hit=False)
     assert spec.grace_ms() == 0, "... until a call due now is not worth waiting for"
     spec.draft.started -= 1.0  # overdue by a second: what a stuck draft's calls look like
     assert spec.grace_ms() < 0.05 * spec.cost.step_ms(5, 1), "a stuck draft's waits timed out: a token bet at most"
@@ -540,6 +542,17 @@ def test_no_wait_without_a_late_decoder_or_a_call_in_flight_or_for_a_call_waited
     sequential = _speculator("host/cpu/1", pipeline=False)
     _late_decoder(sequential)
     assert sequential.grace_ms() == 0, "sequential drafting awaits its proposals anyway"
+
+
+def test_branches_that_rarely_hold_the_outcome_are_worth_a_shorter_wait():
+    spec = _speculator("host/cpu/1")
+    _late_decoder(spec)
+    for _ in range(30):
+        spec.match_odds.observe(hit=True)
+    sure = spec.grace_ms()
+    for _ in range(30):
+        spec.match_odds.observe(hit=False)
+    assert spec.grace_ms() < 0.6 * sure
 
 
 def test_a_draft_call_due_later_than_its_proposals_are_worth_is_not_waited_for():
