@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m draft_service") -
                                tracing)
     try:
         aio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
-                          args.grace_seconds, transport=transport, on_shutdown=servicer.close_streams))
+                      args.grace_seconds, transport=transport, on_shutdown=servicer.close_streams))
     finally:
         if tracing is not None:
             tracing.shutdown()  # export what is still buffered

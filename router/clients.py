@@ -228,9 +228,6 @@ class TargetClient(_Client):
     def idle(self) -> None:
         self.steps.idle()
 
-    def close_stream(self) -> None:
-        self.steps.close()
-
     async def close(self) -> None:
         self.steps.close()
         await super().close()

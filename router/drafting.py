@@ -122,7 +122,7 @@ class DraftLane:
         self._call: asyncio.Task | None = None
         self.in_flight: DraftWork | None = None  # the call's work, while it runs
         self.started = 0.0  # perf_counter() when it was sent
-        self.waited_for = False  # a step already waited for it (once per call: an overdue call is not waited for)
+        self.waited_for = False  # a step already waited for it (Speculator.grace_ms: once per call)
         self._reconnect: asyncio.Task | None = None
         self._releases: list[int] = []  # kept while the draft is unreachable
         self._expect: tuple[str, int] | None = None  # (tokenizer fingerprint, vocab) of the target

@@ -115,7 +115,7 @@ class Speculator:
     def _offers(self, seq: Sequence) -> tuple[Proposal, Proposal]:
         """The draft's prepared proposal for seq's history and prompt lookup's; a sequence the draft had
         prepared nothing for yet is late."""
-        if not any(p.start == seq.outcome_start for p in seq.prepared):
+        if not self._prepared_for_outcome(seq):
             self.late.add(seq.seq_id)
         return self.proposal(seq), self.lookup(seq)
 
@@ -142,25 +142,26 @@ class Speculator:
         outcome (as often as past branches did), at the odds past waits had (worth_waiting_ms), and
         only if the call is due within that time (BranchCost's estimate; an overdue call may be about
         to land too: on shared cores a call slows while the target computes and finishes fast once it
-        is done). Once per call; a slow or stuck draft makes the waits time
-        out, and the odds fall until no wait is worth it: it never paces the target."""
+        is done). Once per call; a slow or stuck draft makes the waits time out, and the odds fall
+        until no wait is worth it: it never paces the target."""
         work = self.draft.in_flight
         if not self.config.pipeline or work is None or self.draft.waited_for or not self.draft.up:
             return 0.0
-        elapsed = (time.perf_counter() - self.draft.started) * 1000
-        expected = self.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
         # the sequences it prepares proposals for, at the history each had when it was sent
         carried = {e.seq_id: len(base) - e.num_verifying for e, base in zip(work.entries, work.bases, strict=True)
                    if e.k > 0 or e.branches}
         decoders = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
+        waiting = {s.seq_id for s in decoders
+                   if carried.get(s.seq_id) == s.outcome_start and not self._prepared_for_outcome(s)}
+        if not waiting:
+            return 0.0
         tokens = gain = 0.0
         drafted = 0
         for seq in decoders:
             cap = self.cap(seq)
             drafted += cap
             with_draft = expected_tokens(seq.tracker.rate, cap)
-            if carried.get(seq.seq_id) == seq.outcome_start and cap and not any(
-                    p.start == seq.outcome_start for p in seq.prepared):
+            if seq.seq_id in waiting and cap:
                 fallback = expected_tokens(seq.lookup_tracker.rate, len(self.lookup(seq)[0][:cap]))
                 tokens += fallback
                 gain += max(0.0, with_draft - fallback) * self.match_odds.rate  # if a branch names the outcome
@@ -170,7 +171,14 @@ class Speculator:
             return 0.0
         step_ms = self.cost.step_ms(len(decoders) + drafted, len(decoders)) * self.contention.factor
         limit = worth_waiting_ms(step_ms, tokens, gain, self.wait_odds.rate)
+        elapsed = (time.perf_counter() - self.draft.started) * 1000
+        expected = self.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
         return limit if expected - elapsed <= limit else 0.0
+
+    @staticmethod
+    def _prepared_for_outcome(seq: Sequence) -> bool:
+        """Whether the draft prepared anything for the outcome of seq's last verification."""
+        return any(p.start == seq.outcome_start for p in seq.prepared)
 
     def shares_compute(self) -> bool:
         """Draft and target on the same cores or GPU: every branch the draft prepares slows the target."""

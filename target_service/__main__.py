@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport) 
              f"; tensor parallel over {tp.size} ranks" if tp else "")
     try:
         aio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
-                          args.grace_seconds, transport=transport, on_shutdown=servicer.close_streams))
+                      args.grace_seconds, transport=transport, on_shutdown=servicer.close_streams))
     finally:
         if tracing is not None:
             tracing.shutdown()  # export what is still buffered
