@@ -122,6 +122,7 @@ class DraftLane:
         self._call: asyncio.Task | None = None
         self.in_flight: DraftWork | None = None  # the call's work, while it runs
         self.started = 0.0  # perf_counter() when it was sent
+        self.ended = 0.0  # perf_counter() when the last call ended
         self.waited_for = False  # a step already waited for it (Speculator.grace_ms: once per call)
         self._reconnect: asyncio.Task | None = None
         self._releases: list[int] = []  # kept while the draft is unreachable
@@ -200,13 +201,29 @@ class DraftLane:
             self.client.idle()
 
     # ---- calls ---------------------------------------------------------------------------------
-    def launch(self, work: DraftWork, trace: StepTrace | None = None) -> None:
+    def launch(self, work: DraftWork | Callable[[], DraftWork], trace: StepTrace | None = None) -> None:
         """Run the call in the background (one at a time); its results land on the sequences.
+        work may be a function that plans it: it runs in the call's task, so the step loop sends the
+        target's Step before the draft's work is planned (the step that follows waits for neither).
         trace: the step it was planned for, when tracing (its spans parent the call's)."""
         assert self.idle
-        if self.up and work.entries:
+        if self.up:
+            self._call = asyncio.create_task(self._launched(work, trace))
+
+    async def _launched(self, work: DraftWork | Callable[[], DraftWork], trace: StepTrace | None) -> None:
+        if callable(work):
+            try:
+                work = work()
+            except Exception:  # noqa: BLE001 - the draft is optional: planning its work may not fail a step
+                log.exception("planning the draft's work failed")
+                return
+        if work.entries:
             self.in_flight, self.started, self.waited_for = work, time.perf_counter(), False
-            self._call = asyncio.create_task(self.run(work, trace))
+            await self.run(work, trace)
+
+    def busy_since(self, t: float) -> bool:
+        """Whether a call was running at some time since perf_counter() t."""
+        return self.in_flight is not None or self.ended > t
 
     async def wait(self, timeout_s: float | None = None) -> None:
         """Until the call in flight is done, or timeout_s passed (the call goes on)."""
@@ -243,7 +260,7 @@ class DraftLane:
             log.exception("draft call failed unexpectedly")
             self._reset(work.seqs, "error")
         finally:
-            self.in_flight = None
+            self.in_flight, self.ended = None, time.perf_counter()
             self.on_done()
         return (time.perf_counter() - t0) * 1000
 

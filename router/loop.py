@@ -91,8 +91,7 @@ class StepLoop:
         dispatched(plan)
         trace = self.tracer.step(plan, self.steps) if self.tracer is not None else None
         if self.draft.up and self.draft.idle and not self.spec.rests_draft(plan, self.steps):
-            self.draft.launch(self.spec.step_work(plan, sent), trace)
-        draft_busy = not self.draft.idle  # working alongside this step: the target may run slower
+            self.draft.launch(lambda: self.spec.step_work(plan, sent), trace)  # planned while the Step is sent
         t_target = time.perf_counter()
         try:
             with trace.target_call(plan) if trace is not None else nullcontext(None) as metadata:
@@ -116,6 +115,7 @@ class StepLoop:
         if only is not None:
             self._suspects.remove(only)  # it ran alone without fault: another sequence caused it
         target_wall_ms = (time.perf_counter() - t_target) * 1000
+        draft_busy = self.draft.busy_since(t_target)  # worked alongside this step: the target may run slower
         self._apply(plan, sent, response)
         self._record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy)
         if trace is not None:

@@ -77,3 +77,56 @@ def test_shutdown_ends_a_proposal_stream_waiting_for_its_next_call_at_once(model
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_call_launched_with_a_plan_is_planned_after_the_launcher_yields_and_a_failed_plan_costs_no_step(model_dir):
+    """The step loop launches the draft's call with a function that plans it, then sends the target's
+    Step: the planning runs in the call's task, once the loop yields (the Step is on its way). A plan
+    that raises is logged; the step that launched it goes on."""
+    from router.core import GREEDY, Request, SeqStatus, Sequence
+    from router.drafting import DraftLane, DraftWork
+    from router.metrics import Metrics
+
+    server, _ = start_draft(model_dir)
+    ids = prompt(12)
+
+    async def run() -> list[str]:
+        lane = DraftLane(DraftClient(server.address, timeout_s=30, router_id="r1"), Metrics(4), retry_s=0.1)
+        await lane.connect("", SMALL["vocab_size"])
+        assert lane.up
+        seq = Sequence(seq_id=1, request=Request(request_id="r", prompt_ids=ids, sampling=GREEDY, max_tokens=8),
+                       tokens=list(ids), num_prompt=len(ids), status=SeqStatus.RUNNING)
+        events: list[str] = []
+
+        def plan() -> DraftWork:
+            events.append("planned")
+            work = DraftWork()
+            assert work.add(seq, list(ids), 3, 0, seq.request.sampling_proto, [], lane.budget)
+            return work
+
+        try:
+            t0 = time.perf_counter()
+            lane.launch(plan)
+            events.append("step sent")
+            assert lane.in_flight is None and not lane.idle, "not planned yet, but the lane is taken"
+            await asyncio.sleep(0)
+            assert events == ["step sent", "planned"] and lane.in_flight is not None
+            await lane.wait()
+            assert lane.idle and lane.busy_since(t0) and not lane.busy_since(time.perf_counter())
+            assert seq.draft_cached >= len(ids) and len(seq.prepared) == 1, "the call's proposal landed"
+
+            def broken() -> DraftWork:
+                raise RuntimeError("a planning bug")
+
+            lane.launch(broken)
+            await lane.wait()
+            assert lane.idle and lane.in_flight is None and lane.up, "nothing was sent; the draft is still up"
+        finally:
+            await lane.close()
+            await lane.client.close()
+        return events
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()
