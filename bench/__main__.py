@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -154,5 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     return suite.run(args, argv, pairs, skipped, modes, [c for c in CONFIGS if c.key in wanted], "hf" in wanted)
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a job runner, `kill`) ends the run as Ctrl-C does: the running stack's `finally`
+    stops its three servers instead of leaving them on their loopback ports."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 if __name__ == "__main__":
+    _stop_on_sigterm()
     sys.exit(main())

@@ -256,3 +256,54 @@ def test_greedy_answers_are_compared_across_configs_and_with_the_anchor_at_their
     same, diffs = check.against_anchor(served)
     assert same == 1
     assert diffs == [{"pid": 1, "first_diff_at": 2, "tandem": [5, 6], "anchor": [5, 6, 7]}]
+
+
+# ---- a run that is stopped --------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """Every live process descended from pid (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, parent in parents.items() if parent == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_run_stopped_with_sigterm_stops_the_stack_it_started(model_pair, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target, _ = model_pair
+    run = subprocess.Popen([sys.executable, "-m", "bench", "--quick", "--models", str(target.parent), "--mode",
+                            "shared", "--configs", "1", "--loads", "c1", "--workloads", "main", "--out",
+                            str(tmp_path / "out")], cwd=Path(__file__).resolve().parent.parent,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    servers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(servers := _children(run.pid)) < 2 and time.monotonic() < deadline:  # target + router
+            time.sleep(0.2)
+        assert len(servers) >= 2, "the run never started its stack"
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{p}").exists() for p in servers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in servers if Path(f"/proc/{p}").exists()], "a server outlived the run"
+    finally:
+        for p in servers:  # orphans of a failed run belong to init by now, not to it
+            subprocess.run(["kill", "-9", str(p)], check=False, stderr=subprocess.DEVNULL)
+        run.kill()
