@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-max", type=int, default=4, help="router --k-max")
     p.add_argument("--capacity", type=float, default=0.0,
                    help="req/s that Poisson rate fractions refer to (0: measure the first config at c=16)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configs this many times in turn (1..7, 1..7, ...), each round a fresh stack, and "
+                        "report each config and load from its median round by tokens/s (the others' tokens/s "
+                        "kept beside it): drift over minutes then falls on every config in turn")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, output lengths and arrivals")
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS,
                    help="comma-separated subset of main (configs x loads x modes, above), structured (JSON-schema "
@@ -126,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     from bench.pairs import find_pairs
     from bench.stats import CONFIGS
 
+    if args.rounds < 1:
+        print("--rounds: at least 1", file=sys.stderr)
+        return 2
     wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = set(wanted) - {c.key for c in CONFIGS} - {"hf"}
     if unknown:

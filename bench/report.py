@@ -95,7 +95,10 @@ def markdown(data: dict) -> str:
         f"`{m['command']}` on {m['machine']['cpus']} CPU cores ({m['machine']['cpu_model']}), torch "
         f"{m['machine']['torch']}; load average {m['machine']['loadavg_start']} at start, "
         f"{m['machine']['loadavg_end']} at the end. Router budget {m['budget']} tokens/step, k_max {m['k_max']}. "
-        f"Took {m['seconds'] / 60:.1f} min.", "",
+        f"Took {m['seconds'] / 60:.1f} min." + (
+            f" Each config ran {m['rounds']} times in turn; every figure is from its median round by tokens/s "
+            "(the rounds' tokens/s are in results.json, `rounds_tokens_per_s`)." if m.get("rounds", 1) > 1 else ""),
+        "",
         *(f"**Skipped**: {s}" for s in m["skipped"]), *([""] if m["skipped"] else []),
         "## Figures the issues ask for", "", *figures_table(data["figures"]), "",
         "## Pairs", "", *(x for name, p in data["pairs"].items() for x in pair_lines(name, p)),

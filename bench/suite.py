@@ -77,7 +77,8 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
     results: dict[str, dict] = {}
     itl: dict[str, dict] = {}
     rows: dict[str, dict] = {}
-    total = sum(ld.n_requests for ld, _, _ in w.loads) * len(configs) + (len(w.used) if with_anchor else 0)
+    rounds = args.rounds
+    total = sum(ld.n_requests for ld, _, _ in w.loads) * len(configs) * rounds + (len(w.used) if with_anchor else 0)
     bar = tqdm(total=total, unit="req", dynamic_ncols=True, smoothing=0.05, desc=tag)
 
     def rate_of(load: Load, done: list[LoadRun]) -> float:
@@ -86,25 +87,34 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
         return load.rate_frac * capacity[0]
 
     failures = []
-    for i, cfg in enumerate(configs):
+    measured: dict[str, dict[str, list[LoadRun]]] = {}  # config -> load -> its runs, one per round
+    turns = [(r, cfg) for r in range(rounds) for cfg in configs]
+    for i, (rnd, cfg) in enumerate(turns):
         done_before = bar.n
+        name = f"{tag} ({cfg.key})" + (f" round {rnd + 1}/{rounds}" if rounds > 1 else "")
         try:
             runs = run_config(cfg, settings, w.pair.name, w.loads, rate_of, warm, lambda r: bar.update(1),
-                              lambda load, key=cfg.key: bar.set_description(f"{tag} ({key}) {load.name}"))
+                              lambda load, n=name: bar.set_description(f"{n} {load.name}"))
         except Exception as err:  # noqa: BLE001 - one broken config must not sink an hour's run
             failures.append(f"({cfg.key}): {err}")
-            bar.write(f"{tag} ({cfg.key}) FAILED: {err} (logs in {log_dir}/config-{cfg.key}); going on")
+            bar.write(f"{name} FAILED: {err} (logs in {log_dir}/config-{cfg.key}); going on")
             bar.update(sum(ld.n_requests for ld, _, _ in w.loads) - (bar.n - done_before))
             continue
-        results[cfg.key], itl[cfg.key], rows[cfg.key] = {}, {}, {}
         for lr in runs:
-            results[cfg.key][lr.load.name] = lr.summary
-            itl[cfg.key][lr.load.name] = lr.itl
-            rows[cfg.key][lr.load.name] = [r.row() for r in lr.results]
+            measured.setdefault(cfg.key, {}).setdefault(lr.load.name, []).append(lr)
             w.check.check(f"{mode.name} ({cfg.key}) {lr.load.name}", lr.results)
         elapsed = time.monotonic() - t0
-        bar.write(f"{tag} ({cfg.key}) done: {elapsed / 60:.1f} min into this mode, about "
-                  f"{(len(configs) - i - 1 + 0.5 * with_anchor) * elapsed / (i + 1) / 60:.1f} min left in it")
+        bar.write(f"{name} done: {elapsed / 60:.1f} min into this mode, about "
+                  f"{(len(turns) - i - 1 + 0.5 * with_anchor) * elapsed / (i + 1) / 60:.1f} min left in it")
+    for key, by_load in measured.items():
+        results[key], itl[key], rows[key] = {}, {}, {}
+        for load_name, lrs in by_load.items():
+            lr = median_round(lrs)
+            results[key][load_name] = lr.summary
+            if len(lrs) > 1:
+                lr.summary["rounds_tokens_per_s"] = [x.summary["tokens_per_s"] for x in lrs]
+            itl[key][load_name] = lr.itl
+            rows[key][load_name] = [r.row() for r in lr.results]
 
     agreement = "not run"
     served = None
@@ -142,6 +152,13 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
             "seconds": time.monotonic() - t0, "results": results}
 
 
+def median_round(runs: list[LoadRun]) -> LoadRun:
+    """The run of one config and load whose tokens/s is the median of its rounds (the lower middle of an
+    even count): every figure of it comes from one real run."""
+    ranked = sorted(runs, key=lambda lr: lr.summary["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def _judge(w: PairWork, diffs: list[dict], answers: list[tuple[list[int], list[int]]]) -> None:
     """Give each difference between two greedy answers for a prompt its verdict: near-tie or not."""
     divergences = [ties.Divergence.between(w.pool[d["pid"]].ids, a, b) for d, (a, b) in zip(diffs, answers,
@@ -162,7 +179,7 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
     for w in work:
         minutes = w.profile.minutes_quick if args.quick else w.profile.minutes
         print(f"{w.pair.name} ({w.pair.path}, profile {w.profile.name}): {w.plan.describe()}; "
-              + ", ".join(f"{m.name} ~{minutes[m.name]:.0f} min" for m in modes))
+              + ", ".join(f"{m.name} ~{minutes[m.name] * args.rounds:.0f} min" for m in modes))
         for n in w.notes:
             print(f"note: {n}")
         if w.pair.report.get("variant") not in (None, "full"):
@@ -195,7 +212,7 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
             _judge(w, w.check.mismatches, w.check.answers)
     data = {
         "meta": {"command": shlex.join(["python", "-m", "bench", *argv]),
-                 "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick,
+                 "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick, "rounds": args.rounds,
                  "budget": args.budget, "k_max": args.k_max, "seed": args.seed,
                  "modes": [m.name for m in modes], "skipped": skipped, "seconds": time.monotonic() - t0,
                  "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "torch": torch.__version__,

@@ -307,3 +307,38 @@ def test_a_run_stopped_with_sigterm_stops_the_stack_it_started(model_pair, tmp_p
         for p in servers:  # orphans of a failed run belong to init by now, not to it
             subprocess.run(["kill", "-9", str(p)], check=False, stderr=subprocess.DEVNULL)
         run.kill()
+
+
+# ---- rounds ------------------------------------------------------------------------------------
+
+
+def test_each_figure_comes_from_the_median_round_of_its_config_and_load() -> None:
+    from bench.runner import LoadRun
+    from bench.suite import median_round
+
+    def run(tps: float) -> LoadRun:
+        return LoadRun(load=None, results=[], summary={"tokens_per_s": tps, "ttft_p50": tps / 10}, itl=[])  # type: ignore[arg-type]
+
+    runs = [run(120.0), run(80.0), run(100.0)]
+    assert median_round(runs) is runs[2]
+    assert median_round(runs[:2]) is runs[1], "an even count: the lower middle, a real run, not an average"
+    assert median_round(runs[:1]) is runs[0]
+
+
+@pytest.mark.slow
+def test_rounds_run_every_config_in_turn_and_keep_every_round_s_tokens_per_s(model_pair, tmp_path: Path) -> None:
+    from bench.__main__ import main
+
+    target, _ = model_pair
+    out = tmp_path / "out"
+    assert main(["--quick", "--models", str(target.parent), "--mode", "shared", "--configs", "1,7", "--loads", "c1",
+                 "--workloads", "main", "--rounds", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["rounds"] == 2
+    [run] = data["runs"]
+    for key in ("1", "7"):
+        c1 = run["results"][key]["c1"]
+        rounds = c1["rounds_tokens_per_s"]
+        assert len(rounds) == 2 and c1["tokens_per_s"] == min(rounds), "the lower middle of two rounds"
+    assert "ran 2 times in turn" in (out / "results.md").read_text()
+    assert main(["--rounds", "0"]) == 2
