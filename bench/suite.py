@@ -18,7 +18,7 @@ from bench.modes import Mode
 from bench.pairs import Pair
 from bench.plans import Load, Plan, Profile
 from bench.runner import LoadRun, Settings, run_config
-from bench.stats import ANCHOR, Config, Correctness, itl_samples, summarize
+from bench.stats import ANCHOR, CONFIGS, Config, Correctness, itl_samples, summarize
 from bench.workloads import Prompt, build_pool, pool_summary
 
 
@@ -51,6 +51,14 @@ def prepare(pair: Pair, quick: bool, budget: int, seed: int, only_loads: list[st
     chosen = [ld for ld in plan.loads if not only_loads or ld.name in only_loads]
     loads = [(ld, [pool[i % len(pool)] for i in range(ld.n_requests)], plans.arrivals(ld, seed)) for ld in chosen]
     return PairWork(pair, profile, plan, pool, loads, notes)
+
+
+def estimate_minutes(w: PairWork, mode: str, quick: bool, configs: int, anchor: bool, rounds: int) -> float:
+    """The profile's rough minutes for a whole run of the pair in this mode, scaled to the loads, configs
+    and rounds asked for (the anchor counts as half a config, as the progress estimate does)."""
+    minutes = (w.profile.minutes_quick if quick else w.profile.minutes)[mode]
+    loads = sum(ld.n_requests for ld, _, _ in w.loads) / sum(ld.n_requests for ld in w.plan.loads)
+    return minutes * loads * (configs * rounds + 0.5 * anchor) / (len(CONFIGS) + 0.5)
 
 
 def _cpu_model() -> str:
@@ -177,9 +185,10 @@ def run(args: argparse.Namespace, argv: list[str], pairs: list[Pair], skipped: l
     t0 = time.monotonic()
     work = [prepare(p, args.quick, args.budget, args.seed, args.loads) for p in pairs]
     for w in work:
-        minutes = w.profile.minutes_quick if args.quick else w.profile.minutes
+        minutes = {m.name: estimate_minutes(w, m.name, args.quick, len(configs), with_anchor, args.rounds)
+                   for m in modes}
         print(f"{w.pair.name} ({w.pair.path}, profile {w.profile.name}): {w.plan.describe()}; "
-              + ", ".join(f"{m.name} ~{minutes[m.name] * args.rounds:.0f} min" for m in modes))
+              + ", ".join(f"{m} ~{t:.0f} min" if t >= 1 else f"{m} under a minute" for m, t in minutes.items()))
         for n in w.notes:
             print(f"note: {n}")
         if w.pair.report.get("variant") not in (None, "full"):

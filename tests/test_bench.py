@@ -342,3 +342,23 @@ def test_rounds_run_every_config_in_turn_and_keep_every_round_s_tokens_per_s(mod
         assert len(rounds) == 2 and c1["tokens_per_s"] == min(rounds), "the lower middle of two rounds"
     assert "ran 2 times in turn" in (out / "results.md").read_text()
     assert main(["--rounds", "0"]) == 2
+
+
+def test_the_printed_time_estimate_scales_with_the_loads_configs_and_rounds_asked_for() -> None:
+    from bench import plans
+    from bench.stats import CONFIGS
+    from bench.suite import PairWork, estimate_minutes
+
+    profile = plans.PROFILES["demo"]
+    plan = profile.plan(False)
+
+    def work(names: set[str] | None) -> PairWork:
+        chosen = [ld for ld in plan.loads if names is None or ld.name in names]
+        return PairWork(None, profile, plan, [], [(ld, [], []) for ld in chosen], [])  # type: ignore[arg-type]
+
+    whole = estimate_minutes(work(None), "shared", False, len(CONFIGS), True, 1)
+    assert whole == pytest.approx(profile.minutes["shared"])
+    c1 = next(ld for ld in plan.loads if ld.name == "c1")
+    share = c1.n_requests / sum(ld.n_requests for ld in plan.loads)
+    assert estimate_minutes(work({"c1"}), "shared", False, 3, False, 3) == pytest.approx(
+        profile.minutes["shared"] * share * 9 / (len(CONFIGS) + 0.5))
