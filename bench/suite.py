@@ -35,6 +35,11 @@ class PairWork:
     check: Correctness = field(default_factory=Correctness)
 
     @property
+    def requests(self) -> int:
+        """Requests per config in one mode: the chosen loads' together."""
+        return sum(ld.n_requests for ld, _, _ in self.loads)
+
+    @property
     def used(self) -> list[Prompt]:
         pids = sorted({p.pid for _, reqs, _ in self.loads for p in reqs})
         return [self.pool[i] for i in pids]
@@ -57,7 +62,7 @@ def estimate_minutes(w: PairWork, mode: str, quick: bool, configs: int, anchor: 
     """The profile's rough minutes for a whole run of the pair in this mode, scaled to the loads, configs
     and rounds asked for (the anchor counts as half a config, as the progress estimate does)."""
     minutes = (w.profile.minutes_quick if quick else w.profile.minutes)[mode]
-    loads = sum(ld.n_requests for ld, _, _ in w.loads) / sum(ld.n_requests for ld in w.plan.loads)
+    loads = w.requests / sum(ld.n_requests for ld in w.plan.loads)
     return minutes * loads * (configs * rounds + 0.5 * anchor) / (len(CONFIGS) + 0.5)
 
 
@@ -86,7 +91,7 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
     itl: dict[str, dict] = {}
     rows: dict[str, dict] = {}
     rounds = args.rounds
-    total = sum(ld.n_requests for ld, _, _ in w.loads) * len(configs) * rounds + (len(w.used) if with_anchor else 0)
+    total = w.requests * len(configs) * rounds + (len(w.used) if with_anchor else 0)
     bar = tqdm(total=total, unit="req", dynamic_ncols=True, smoothing=0.05, desc=tag)
 
     def rate_of(load: Load, done: list[LoadRun]) -> float:
@@ -106,7 +111,7 @@ def run_mode(w: PairWork, mode: Mode, configs: list[Config], with_anchor: bool, 
         except Exception as err:  # noqa: BLE001 - one broken config must not sink an hour's run
             failures.append(f"({cfg.key}): {err}")
             bar.write(f"{name} FAILED: {err} (logs in {log_dir}/config-{cfg.key}); going on")
-            bar.update(sum(ld.n_requests for ld, _, _ in w.loads) - (bar.n - done_before))
+            bar.update(w.requests - (bar.n - done_before))
             continue
         for lr in runs:
             measured.setdefault(cfg.key, {}).setdefault(lr.load.name, []).append(lr)

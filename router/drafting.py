@@ -201,22 +201,21 @@ class DraftLane:
             self.client.idle()
 
     # ---- calls ---------------------------------------------------------------------------------
-    def launch(self, work: DraftWork | Callable[[], DraftWork], trace: StepTrace | None = None) -> None:
-        """Run the call in the background (one at a time); its results land on the sequences.
-        work may be a function that plans it: it runs in the call's task, so the step loop sends the
-        target's Step before the draft's work is planned (the step that follows waits for neither).
+    def launch(self, plan: Callable[[], DraftWork], trace: StepTrace | None = None) -> None:
+        """Run a call in the background (one at a time); its results land on the sequences. plan()
+        builds its work in the call's task, so the step loop sends the target's Step before the draft's
+        work is planned (the step that follows waits for neither).
         trace: the step it was planned for, when tracing (its spans parent the call's)."""
         assert self.idle
         if self.up:
-            self._call = asyncio.create_task(self._launched(work, trace))
+            self._call = asyncio.create_task(self._launched(plan, trace))
 
-    async def _launched(self, work: DraftWork | Callable[[], DraftWork], trace: StepTrace | None) -> None:
-        if callable(work):
-            try:
-                work = work()
-            except Exception:  # noqa: BLE001 - the draft is optional: planning its work may not fail a step
-                log.exception("planning the draft's work failed")
-                return
+    async def _launched(self, plan: Callable[[], DraftWork], trace: StepTrace | None) -> None:
+        try:
+            work = plan()
+        except Exception:  # noqa: BLE001 - the draft is optional: planning its work may not fail a step
+            log.exception("planning the draft's work failed")
+            return
         if work.entries:
             self.in_flight, self.started, self.waited_for = work, time.perf_counter(), False
             await self.run(work, trace)

@@ -84,7 +84,7 @@ class StepLoop:
             self.draft.rest()
             if self.draft.up and self.draft.idle:
                 work = self.spec.waiting_work()
-                self.draft.launch(work, self.tracer.step(None, self.steps) if self.tracer is not None else None)
+                self.draft.launch(lambda: work, self.tracer.step(None, self.steps) if self.tracer is not None else None)
                 return bool(work.entries) or draft_ms > 0
             return draft_ms > 0
         entries, sent = self._entries(plan)
