@@ -88,7 +88,9 @@ def _epilog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION, epilog=_epilog(),
                                 formatter_class=_Help)
-    p.add_argument("--quick", action="store_true", help="fewer and shorter requests, demo pair only: for iteration")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer and shorter requests, demo pair only: for iteration, not for ratios between configs "
+                   "(its c=16 is one burst of 16 requests)")
     p.add_argument("--models", default=None,
                    help=f"comma-separated pair directories (default: {FULL_MODELS}; with --quick {QUICK_MODELS})")
     p.add_argument("--mode", choices=("shared", "two-device", "both"), default="both", help="how processes share "
