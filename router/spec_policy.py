@@ -141,6 +141,10 @@ class DraftCost:
     def call_ms(self, max_k: int, entries: int = 1) -> float:
         return self.model.step_ms(max_k + 1, (max_k + 1) * entries)
 
+    def stretch(self, max_k: int) -> float:
+        """Step ms per ms of the target's own time: the slowdown while a pipelined draft works."""
+        return self.slowdown if self.pipelined and max_k > 0 else 1.0
+
     def step(self, target_ms: float, max_k: int, entries: int = 1) -> tuple[float, float]:
         """(the step's time, the share of steps the draft's proposals are ready for)."""
         if max_k == 0:
@@ -148,7 +152,7 @@ class DraftCost:
         draft_ms = self.call_ms(max_k, entries)
         if not self.pipelined:
             return target_ms + draft_ms, 1.0
-        step_ms = target_ms * self.slowdown
+        step_ms = target_ms * self.stretch(max_k)
         return step_ms, min(1.0, step_ms / draft_ms)
 
 
@@ -213,11 +217,11 @@ def _fill(rates: list[float], caps: list[int], drafted: list[bool], depth: int, 
           cost: StepCostModel, draft: DraftCost) -> tuple[list[int], float]:
     """The best ks with the draft drafting `depth` tokens deep, and their goodput."""
     seqs, entries = base_seqs + len(rates), sum(drafted)
+    prompt_ms = cost.beta * base_tokens * draft.stretch(depth)  # what the prompt tokens add to the step
 
     def goodput(tokens: int, looked: float, by_draft: float) -> tuple[float, float]:
-        ready = draft.step(cost.step_ms(tokens, seqs), depth, entries)[1]
-        decode_ms = draft.step(cost.step_ms(tokens - base_tokens, seqs), depth, entries)[0]
-        return (len(rates) + looked + ready * by_draft) / decode_ms, ready
+        step_ms, ready = draft.step(cost.step_ms(tokens, seqs), depth, entries)
+        return (len(rates) + looked + ready * by_draft) / (step_ms - prompt_ms), ready
 
     tokens = base_tokens + len(rates)
     looked = by_draft = 0.0  # expected tokens beyond each verification's one, from lookup / from the draft
