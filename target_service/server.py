@@ -34,6 +34,7 @@ from target_service.acceptance import (
     Verification,
     accept,
 )
+from target_service.chaining import Chain, remember, resolve_chained
 
 SERVICE_NAME = "tandem.v1.TargetService"
 _SUM_TOLERANCE = 1e-4  # a sparse q may sum to 1 + float32 rounding
@@ -70,6 +71,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
         self.history = TokenHistory()  # token ids of sequences with penalties (engine/logits.py)
         self.streams = CallStreams()  # the open StepStreams
+        self._chains: dict[int, Chain] = {}  # per open StepStream: what its last step emitted (chained steps)
         worker.on_release.append(self.history.release)
 
     # ---- RPCs -----------------------------------------------------------------------------
@@ -85,14 +87,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def StepStream(self, requests: AsyncIterator[target_pb2.StepRequest],
                          context: grpc.aio.ServicerContext) -> None:
-        """Steps over one long-lived stream (engine/streams.py)."""
-        await self.streams.serve(requests, context, self._streamed_step)
+        """Steps over one long-lived stream (engine/streams.py); a step may chain to the one before it."""
+        self._chains[id(context)] = {}
+        try:
+            await self.streams.serve(requests, context, self._streamed_step)
+        finally:
+            del self._chains[id(context)]
 
     @rpc_errors(name="StepStream")
     async def _streamed_step(self, request: target_pb2.StepRequest,
                              context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
         self.worker.lease.check(context)
-        return await self.worker.run(self.step, request, request_deadline(request), tokens=_tokens(request))
+        return await self.worker.run(self.step, request, request_deadline(request), self._chains[id(context)],
+                                     tokens=_tokens(request))
 
     def close_streams(self) -> None:
         """Shutdown began: no step stream is kept open for a next step (serve()'s on_shutdown)."""
@@ -112,7 +119,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # ---- the step (model thread) ----------------------------------------------------------
     @torch.inference_mode()
-    def step(self, request: target_pb2.StepRequest, deadline: float | None = None) -> target_pb2.StepResponse:
+    def step(self, request: target_pb2.StepRequest, deadline: float | None = None,
+             chain: Chain | None = None) -> target_pb2.StepResponse:
+        """chain: the stream's record of its last step (None for a unary Step, which cannot chain)."""
+        chosen = resolve_chained(request, chain)
         entries = self.parse(request)
         if self.fail_on_token >= 0 and any(e.seq.start_pos == 0 and e.seq.tokens[0] == self.fail_on_token
                                            for e in entries):
@@ -145,6 +155,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         for e, r in zip(entries, results, strict=True):
             r.cached_len = runner.cached_len(e.seq.seq_id)
             runner.commit(e.seq.seq_id, r.cached_len)  # rejected drafts are trimmed: the rest is history
+        for n, alternative in chosen.items():
+            results[n].alternative = alternative
+        if chain is not None:
+            remember(chain, entries, results)
         return target_pb2.StepResponse(results=results, forward_ms=(time.perf_counter() - t0) * 1e3,
                                        free_blocks=runner.blocks.num_free)
 
@@ -317,8 +331,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 
 def _tokens(request: target_pb2.StepRequest) -> int:
-    """A step's size: the tokens it scores (a sibling entry forks, computing nothing)."""
-    return sum(len(e.tokens) for e in request.entries)
+    """A step's size: the tokens it scores (a sibling entry forks, computing nothing; a chained one
+    at most its longest alternative)."""
+    return sum(1 + max((len(a.drafts) for a in e.alternatives), default=0) if e.chained else len(e.tokens)
+               for e in request.entries)
 
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
