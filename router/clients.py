@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -156,48 +158,72 @@ class _CallStream:
         self._stub = None  # the stub (so the channel) the stream belongs to
         self._until = 0.0
         self._last = 0.0
-        self._lock = asyncio.Lock()  # one call at a time on a stream: responses come back in order
+        self._lock = asyncio.Lock()  # one call() at a time on a stream: responses come back in order
+        self._unread = 0  # calls sent on the stream whose answers were not read yet
 
     async def call(self, request):  # noqa: ANN001, ANN201
         async with self._lock:
-            return await self._call(request)
+            return await self.receive(await self.send(request))
 
-    async def _call(self, request):  # noqa: ANN001, ANN202
+    async def send(self, request) -> grpc.aio.StreamStreamCall:  # noqa: ANN001
+        """Write a call's request without waiting for its answer: receive(ticket) reads it, after the
+        answers of the calls sent before it (the step loop chains a step behind the one running)."""
         client = self._client
         stub = client.stub
-        if self._stream is None or self._stub is not stub or time.monotonic() > self._until:
+        renew = self._stub is not stub or time.monotonic() > self._until  # new certificates, or its lifetime is up
+        if self._stream is None or (renew and not self._unread):  # (a call awaiting its answer keeps it open)
             self.close()
             self._stream = getattr(stub, self._method)(timeout=STREAM_LIFETIME_S + 2 * client.timeout_s,
                                                        metadata=client._metadata)
             self._stub, self._until = stub, time.monotonic() + STREAM_LIFETIME_S
         request.timeout_ms = int(client.timeout_s * 1000)
         call = self._stream
-        try:
+        with self._failures(close=not self._unread):  # else the answer of a call ahead says why it failed
             async with asyncio.timeout(client.timeout_s):
                 await call.write(request)
-                response = await call.read()
-        except TimeoutError:
-            self.close()
-            raise ServiceDown(f"DEADLINE_EXCEEDED: no {self._what} within {client.timeout_s:.0f}s") from None
-        except grpc.aio.AioRpcError as err:
-            self.close()
-            raise _translate(err) from None
-        except asyncio.InvalidStateError:  # the service ended the stream (shutting down) before this write
-            self.close()
-            raise ServiceDown(f"UNAVAILABLE: the service ended its {self._method}") from None
-        except BaseException:  # cancelled mid-call: the stream's next read would be this call's answer
-            self.close()
-            raise
+        self._unread += 1
+        return call
+
+    async def receive(self, ticket: grpc.aio.StreamStreamCall):  # noqa: ANN201
+        """The answer to the call `send` returned `ticket` for (calls are answered in the order sent)."""
+        if ticket is not self._stream:  # a call sent before it failed, and ended the stream
+            raise ServiceDown(f"UNAVAILABLE: the {self._method} ended before this {self._what}")
+        with self._failures():
+            async with asyncio.timeout(self._client.timeout_s):
+                response = await ticket.read()
+        self._unread -= 1
         if response is grpc.aio.EOF:
             self.close()
             raise ServiceDown(f"UNAVAILABLE: the service ended its {self._method} (shutting down)")
         self._last = time.monotonic()
         return response
 
+    @contextmanager
+    def _failures(self, close: bool = True) -> Iterator[None]:
+        """A failed or abandoned call closes the stream (its next read would be this call's answer)."""
+        try:
+            yield
+        except TimeoutError:
+            self._end(close)
+            raise ServiceDown(f"DEADLINE_EXCEEDED: no {self._what} within {self._client.timeout_s:.0f}s") from None
+        except grpc.aio.AioRpcError as err:
+            self._end(close)
+            raise _translate(err) from None
+        except asyncio.InvalidStateError:  # the service ended the stream (shutting down) before this write
+            self._end(close)
+            raise ServiceDown(f"UNAVAILABLE: the service ended its {self._method}") from None
+        except BaseException:  # cancelled mid-call
+            self._end(close)
+            raise
+
+    def _end(self, close: bool) -> None:
+        if close:
+            self.close()
+
     def idle(self) -> None:
         """The caller had nothing to send: after STREAM_IDLE_S of that its stream is closed, so that a
         service shutting down does not wait its grace period for an idle stream."""
-        if self._stream is not None and time.monotonic() - self._last > STREAM_IDLE_S:
+        if self._stream is not None and not self._unread and time.monotonic() - self._last > STREAM_IDLE_S:
             self.close()
 
     def close(self) -> None:
@@ -205,6 +231,7 @@ class _CallStream:
         if self._stream is not None:
             self._stream.cancel()
             self._stream = None
+            self._unread = 0
 
 
 class TargetClient(_Client):
@@ -224,6 +251,14 @@ class TargetClient(_Client):
         if metadata:
             return await self._call(self.stub.Step, request, metadata=metadata)
         return await self.steps.call(request)
+
+    async def send_step(self, entries: list[target_pb2.StepEntry]) -> grpc.aio.StreamStreamCall:
+        """A step on the StepStream whose answer is read later (receive_step), so that the next step can
+        be sent, chained, while this one runs."""
+        return await self.steps.send(target_pb2.StepRequest(entries=entries))
+
+    async def receive_step(self, ticket: grpc.aio.StreamStreamCall) -> target_pb2.StepResponse:
+        return await self.steps.receive(ticket)
 
     def idle(self) -> None:
         self.steps.idle()
