@@ -54,6 +54,10 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
                    help="always speculate --num-speculative-tokens (default: k per sequence from its acceptance "
                         "and the measured step costs)")
     p.add_argument("--no-pipeline", action="store_true", help="draft then target in sequence")
+    p.add_argument("--no-chain-steps", action="store_true",
+                   help="wait for each step's answer before sending the next (default, pipelined: a decode-only "
+                        "step is sent while the one before it runs, with the draft's proposals keyed by that "
+                        "step's outcome, so the target does not wait a round trip for the router)")
     p.add_argument("--no-chunked-prefill", action="store_true", help="whole prompts first (stalls decodes)")
     p.add_argument("--no-prompt-lookup", action="store_true",
                    help="never speculate with prompt lookup (by default a sequence the draft has no proposal for, "
@@ -84,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
         k_max=args.num_speculative_tokens,
         dynamic_k=not args.no_dynamic_k, pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
+        chain_steps=not args.no_chain_steps,
         prompt_lookup=not args.no_prompt_lookup,
         prefix_caching=not args.no_prefix_caching,
         target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace,

@@ -22,6 +22,7 @@ class RouterConfig:
     k_max: int = 4  # largest speculation length per sequence per step
     dynamic_k: bool = True  # choose k per sequence from acceptance and load; else always k_max
     pipeline: bool = True  # draft proposes step t+1 while the target scores step t
+    chain_steps: bool = True  # pipelined: send step t+1 (branches keyed by outcome) before step t answers
     chunked_prefill: bool = True  # slice prompts into the budget; else whole prompts first
     prompt_lookup: bool = True  # where the draft has no proposal (or there is no draft), guess from the history
     prefix_caching: bool = True  # start sequences from the services' cached prefix blocks (router.prefix)

@@ -137,6 +137,11 @@ class DraftLane:
         return self.info.max_batch_tokens if self.info else 0
 
     @property
+    def call(self) -> asyncio.Task | None:
+        """The call in flight (done once its proposals landed on the sequences), if any."""
+        return None if self.idle else self._call
+
+    @property
     def idle(self) -> bool:
         return self._call is None or self._call.done()
 

@@ -6,24 +6,38 @@ for a call due within what its proposals are worth (Speculator.grace_ms), once p
                    target.Step(decodes + chunks)   ||   draft.Propose(chunks mirrored; branches for the
                    apply emitted tokens                              likely outcomes of step t), if idle
     sequential mode (--no-pipeline): plain proposals are drafted first, awaited, then the target runs
+
+Where step t needs no decision from its own outcome (decodes only), the draft's branches landing
+before its answer are sent at once as step t+1, chained (router.chain): the target runs it right
+after step t, and the loop books both a step behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
+import grpc
+
+from router.chain import ChainedStep, chainable, chained_entries
 from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
-from router.core import FinishReason, InternalError, SeqStatus, Sequence, TokenLogprob
+from router.core import FinishReason, Sequence, TokenLogprob
 from router.drafting import DraftLane
 from router.metrics import Metrics
 from router.request_stats import about, dispatched
 from router.scheduler import Scheduler, StepPlan
 from router.speculator import Speculator
+from router.step_entries import logprobs_of, step_entries
+from router.step_faults import StepFaults
 from tandem.v1 import target_pb2
+
+if TYPE_CHECKING:
+    from router.tracing import StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +56,25 @@ class StepLoop:
         self.metrics = metrics
         self.spec = Speculator(config, scheduler, draft, max_model_len, target_max_k, target_compute)
         self._emit = emit
-        self._fail = fail
-        self._on_target_lost = on_target_lost
+        self.faults = StepFaults(scheduler, metrics, fail, on_target_lost)
         draft.on_done = wake
         self.steps = 0
         self._pending_release: list[int] = []
-        self._suspects: list[Sequence] = []  # the sequences of a step the target failed, each retried alone
+        self._chained: ChainedStep | None = None  # the step sent behind the one running (router.chain)
+        self._answered_at = 0.0  # perf_counter() when the target's last answer came
         self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
         self._busy = metrics.target_busy.labels(replica=target.address)
+        self._unchained = metrics.unchained_steps
         self.tracer = config.tracer
 
     # ---- one iteration ---------------------------------------------------------------------------
     async def release_now(self, seq_ids: list[int]) -> None:
+        if self._chained is not None:  # the target runs its chained entries first: release them after
+            busy = self._chained.seq_ids
+            self._pending_release.extend(i for i in seq_ids if i in busy)
+            seq_ids = [i for i in seq_ids if i not in busy]
+            if not seq_ids:
+                return
         try:
             await self.target.release(seq_ids)
         except (ServiceDown, Rejected, ServiceError, NotOwner) as err:
@@ -67,9 +88,11 @@ class StepLoop:
         if self._pending_release:
             ids, self._pending_release = self._pending_release, []
             await self.release_now(ids)
+        if self._chained is not None:
+            return await self._chained_iteration()
         draft_ms = await self._grace() if self.config.pipeline else await self.spec.sequential_proposals()
         self.spec.new_step()
-        only = self._next_suspect()
+        only = self.faults.next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
         if plan.preempted:
             for seq in plan.preempted:
@@ -77,7 +100,7 @@ class StepLoop:
                 log.info("preempted seq %d (%d tokens) for recompute", seq.seq_id, len(seq.tokens), extra=about(seq))
             await self.release_now([s.seq_id for s in plan.preempted])  # their blocks must be free for this step
         if plan.empty and only is not None:
-            self._suspects.remove(only)  # it cannot run now (preempted, waiting): it is no longer a suspect
+            self.faults.cleared(only)  # it cannot run now (preempted, waiting): it is no longer a suspect
             return True
         if plan.empty:
             self.target.idle()
@@ -87,40 +110,131 @@ class StepLoop:
                 self.draft.launch(lambda: work, self.tracer.step(None, self.steps) if self.tracer is not None else None)
                 return bool(work.entries) or draft_ms > 0
             return draft_ms > 0
-        entries, sent = self._entries(plan)
+        entries, sent = step_entries(plan, self.spec.matched, self.metrics)
         dispatched(plan)
         trace = self.tracer.step(plan, self.steps) if self.tracer is not None else None
-        if self.draft.up and self.draft.idle and not self.spec.rests_draft(plan, self.steps):
-            self.draft.launch(lambda: self.spec.step_work(plan, sent), trace)  # planned while the Step is sent
+        launched = self._launch_draft(plan, sent, trace)
         t_target = time.perf_counter()
-        try:
-            with trace.target_call(plan) if trace is not None else nullcontext(None) as metadata:
-                response = await self.target.step(entries, metadata)
-        except CacheMissError as err:
-            log.warning("target lost the cache of %s: recomputing them", err.seq_ids, extra={"seq_ids": err.seq_ids})
-            for seq in self.scheduler.running:
-                if seq.seq_id in err.seq_ids:
-                    seq.target_cached = 0
-            return True
-        except (ServiceDown, NotOwner) as err:
-            log.error("target step failed: %s", err)
-            self._on_target_lost()
-            return True
-        except ServiceError as err:
-            self._service_error(plan, only, err)
-            return True
-        except Rejected as err:
-            self._reject(plan, err)
+        with trace.target_call(plan) if trace is not None else nullcontext(None) as metadata:
+            response = await self._target_step(plan, only, self._send(plan, sent, entries, metadata, launched))
+        if response is None:
             return True
         if only is not None:
-            self._suspects.remove(only)  # it ran alone without fault: another sequence caused it
-        target_wall_ms = (time.perf_counter() - t_target) * 1000
-        draft_busy = self.draft.busy_since(t_target)  # worked alongside this step: the target may run slower
-        self._apply(plan, sent, response)
-        self._record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy)
-        if trace is not None:
-            trace.end(plan, sent, response, self.spec, self.draft.up)
+            self.faults.cleared(only)  # it ran alone without fault: another sequence caused it
+        self._done(plan, sent, response, draft_ms, t_start, t_target, trace)
         return True
+
+    async def _chained_iteration(self) -> bool:
+        """The step sent behind the last one, which the target is running (or ran): await its answer,
+        chaining the next one the same way (_begin_chained prepared it when the step ahead answered)."""
+        chained, self._chained = self._chained, None
+        assert chained is not None and chained.plan is not None, "begun when the step ahead answered"
+        self.metrics.chained_steps.inc()
+        plan, sent = chained.plan, chained.sent
+        t_start = self._answered_at  # the target went on with this step when the last one answered
+        may_chain = self._may_chain(plan, chained.launched)
+        response = await self._target_step(plan, None, self._receive(chained.ticket, plan, sent, may_chain))
+        if response is None:
+            return True
+        for res, chosen in zip(response.results, chained.chosen, strict=True):
+            assert res.alternative == chosen, f"seq {res.seq_id}: the target verified alternative {res.alternative}, " \
+                                              f"the router booked {chosen}"
+        self._done(plan, sent, response, 0.0, t_start, t_start, None)
+        return True
+
+    def _begin_chained(self, chained: ChainedStep) -> None:
+        """The step ahead of `chained` was applied: book what each sequence verifies in it (the
+        alternative its outcome selects) and hand the draft that step's outcomes at once."""
+        assert chained.proposals is not None
+        self.spec.new_step()
+        chained.plan = StepPlan(decodes=[(s, len(p[0])) for s, p in zip(chained.seqs, chained.proposals, strict=True)])
+        chained.sent = [p[0] for p in chained.proposals]
+        for seq, k, chosen, proposal in zip(chained.seqs, chained.ks, chained.chosen, chained.proposals, strict=True):
+            seq.next_k = 0 if seq.finished else k
+            self.spec.matched[seq.seq_id] = proposal
+            if chosen:
+                self.spec.from_draft.add(seq.seq_id)
+        live = [i for i, s in enumerate(chained.seqs) if not s.finished]
+        chained.launched = self._launch_draft(StepPlan(decodes=[chained.plan.decodes[i] for i in live]),
+                                              [chained.sent[i] for i in live], None)
+
+    def _launch_draft(self, plan: StepPlan, sent: list[list[int]], trace: StepTrace | None) -> bool:
+        """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle."""
+        if not (self.draft.up and self.draft.idle) or self.spec.rests_draft(plan, self.steps):
+            return False
+        self.draft.launch(lambda: self.spec.step_work(plan, sent), trace)  # planned while the Step is sent
+        return True
+
+    async def _target_step(self, plan: StepPlan, only: Sequence | None,
+                           call: Coroutine[Any, Any, target_pb2.StepResponse]) -> target_pb2.StepResponse | None:
+        """The target's answer to plan's step, or None when it failed (handled here). A failed step
+        takes the step chained behind it along (the target's stream ends with it)."""
+        try:
+            response = await call
+        except (CacheMissError, ServiceDown, NotOwner, ServiceError, Rejected) as err:
+            self._chained = None
+            if all(seq.finished for seq in plan.sequences):  # a chained step past its sequences' end
+                log.info("a step of finished sequences only failed: %s", err)  # the next step tells if it matters
+                return None
+            self._pending_release += self.faults.step_failed(plan, only, err)
+            return None
+        self._answered_at = time.perf_counter()
+        if self._chained is not None:
+            self._chained.resolve(response)
+        return response
+
+    async def _send(self, plan: StepPlan, sent: list[list[int]], entries: list[target_pb2.StepEntry],
+                    metadata: tuple[tuple[str, str], ...] | None, launched: bool) -> target_pb2.StepResponse:
+        if metadata is not None or not self._may_chain(plan, launched):
+            return await self.target.step(entries, metadata)
+        return await self._receive(await self.target.send_step(entries), plan, sent, True)
+
+    async def _receive(self, ticket: grpc.aio.StreamStreamCall, plan: StepPlan, sent: list[list[int]],
+                       may_chain: bool) -> target_pb2.StepResponse:
+        """The step's answer; if the draft's branches for its outcomes land first, the next step is sent
+        (chained) before it comes."""
+        receiving = asyncio.ensure_future(self.target.receive_step(ticket))
+        try:
+            if may_chain:
+                call = self.draft.call
+                if call is not None:
+                    await asyncio.wait((receiving, call), return_when=asyncio.FIRST_COMPLETED)
+                if not receiving.done():
+                    await self._chain(plan, sent)
+                else:
+                    self._unchained.labels(reason="draft_late").inc()
+            return await receiving
+        finally:
+            if not receiving.done():
+                receiving.cancel()
+
+    def _may_chain(self, plan: StepPlan, launched: bool) -> bool:
+        """Whether the step after plan's may be chained behind it (launched: the draft has a call for its outcomes)."""
+        if not (self.config.pipeline and self.config.chain_steps and self.tracer is None):
+            return False
+        if self.faults.suspects or not chainable(plan, self.scheduler.running, bool(self.scheduler.waiting)) \
+                or not self.scheduler.fits_ahead():
+            self._unchained.labels(reason="plan").inc()
+            return False
+        if not launched:
+            self._unchained.labels(reason="no_draft_call").inc()
+        return launched
+
+    async def _chain(self, plan: StepPlan, sent: list[list[int]]) -> None:
+        """Send the step after plan's, each sequence's proposals keyed by plan's outcome (router.chain)."""
+        seqs = [s for s, _ in plan.decodes]
+        ks = self.spec.chain_ks(seqs)
+        built = chained_entries(seqs, sent, ks, self.spec.max_model_len)
+        if built is None:
+            self._unchained.labels(reason="no_proposal").inc()
+            return
+        entries, alts = built
+        try:
+            ticket = await self.target.send_step(entries)
+        except (ServiceDown, Rejected, ServiceError, NotOwner, CacheMissError) as err:
+            log.debug("chained step not sent: %s", err)  # the step ahead of it reports what happened
+            return
+        self._chained = ChainedStep(seqs, alts, ks, ticket)
 
     async def _grace(self) -> float:
         """Wait briefly for a draft call about to land with proposals this step needs (Speculator.grace_ms)."""
@@ -134,46 +248,6 @@ class StepLoop:
         self.metrics.pipeline_waits.labels(outcome="arrived" if self.draft.idle else "timed_out").inc()
         return (time.perf_counter() - t0) * 1000
 
-    def _entries(self, plan: StepPlan) -> tuple[list[target_pb2.StepEntry], list[list[int]]]:
-        """The Step's entries: decodes, prompt chunks, then the siblings (n > 1) forked from a prompt it finishes."""
-        entries, sent = [], []
-        siblings = plan.siblings
-        for seq, k in plan.decodes:
-            drafts, probs = self.spec.matched.get(seq.seq_id, ([], []))
-            drafts = drafts[:k]
-            masks: list[bytes] = []
-            if seq.grammar is not None:
-                drafts, masks = seq.grammar.masks(drafts)
-            n = len(seq.tokens)
-            assert seq.target_cached == n - 1, f"seq {seq.seq_id}: target holds {seq.target_cached}, history {n}"
-            greedy = seq.request.sampling.greedy
-            entries.append(target_pb2.StepEntry(
-                seq_id=seq.seq_id, start_pos=n - 1, tokens=[seq.tokens[-1], *drafts], emit=True,
-                num_draft_tokens=len(drafts), draft_probs=[] if greedy else probs[:len(drafts)],
-                sampling=seq.request.sampling_proto, logprobs=self._lp(seq), token_masks=masks,
-                prompt_len=seq.num_prompt))
-            sent.append(drafts)
-        for c in plan.chunks:
-            entries.append(target_pb2.StepEntry(
-                seq_id=c.seq.seq_id, start_pos=c.start, tokens=c.seq.tokens[c.start:c.end], emit=c.emit,
-                sampling=c.seq.request.sampling_proto, logprobs=self._lp(c.seq), prompt_len=c.seq.num_prompt,
-                prefix_block_hashes=c.attach,
-                token_masks=c.seq.grammar.masks([])[1] if c.emit and c.seq.grammar is not None else []))
-            self.metrics.prompt_tokens_computed.inc(c.end - c.start)
-            if c.emit:
-                siblings.extend(s for s in c.seq.forks if s.waits_for_fork and s.status is SeqStatus.RUNNING)
-        for s in siblings:  # the prompt is computed once: each sibling forks it and samples its own first token
-            entries.append(target_pb2.StepEntry(
-                seq_id=s.seq_id, start_pos=s.num_prompt, emit=True, fork_of=s.fork_parent.seq_id,  # type: ignore[union-attr]
-                sampling=s.request.sampling_proto, logprobs=self._lp(s), prompt_len=s.num_prompt,
-                token_masks=s.grammar.masks([])[1] if s.grammar is not None else []))
-        self.metrics.grammar_mask_bytes.inc(sum(len(m) for e in entries for m in e.token_masks))
-        return entries, sent
-
-    @staticmethod
-    def _lp(seq: Sequence) -> int:
-        return -1 if seq.request.logprobs is None else seq.request.logprobs
-
     # ---- results -------------------------------------------------------------------------------
     def _apply(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse) -> None:
         results = list(response.results)
@@ -185,7 +259,7 @@ class StepLoop:
                 continue
             seq.target_cached = res.cached_len
             self.spec.observe_outcome(seq, 0, 0, res.tokens[-1])
-            self._emit(seq, list(res.tokens), _logprobs(res))
+            self._emit(seq, list(res.tokens), logprobs_of(res))
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
             k = len(drafts)
             tracker = seq.lookup_tracker if seq.seq_id in self.spec.from_lookup else seq.tracker
@@ -202,14 +276,26 @@ class StepLoop:
                 continue
             self.spec.observe_outcome(seq, k, res.num_accepted, res.tokens[-1])
             seq.target_cached = res.cached_len
-            self._emit(seq, list(res.tokens), _logprobs(res))
+            self._emit(seq, list(res.tokens), logprobs_of(res))
         for c, res in zip(plan.chunks, results[len(plan.decodes):len(results) - len(siblings)], strict=True):
             if c.seq.finished:
                 continue
             c.seq.target_cached = res.cached_len
             if c.emit:
                 self.spec.observe_outcome(c.seq, 0, 0, res.tokens[-1])
-                self._emit(c.seq, list(res.tokens), _logprobs(res))
+                self._emit(c.seq, list(res.tokens), logprobs_of(res))
+
+    def _done(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse, draft_ms: float,
+              t_start: float, t_target: float, trace: StepTrace | None) -> None:
+        target_wall_ms = (self._answered_at - t_target) * 1000
+        draft_busy = self.draft.busy_since(t_target)  # worked alongside this step: the target may run slower
+        self._apply(plan, sent, response)
+        self._count_outcomes(plan)
+        if trace is not None:
+            trace.end(plan, sent, response, self.spec, self.draft.up)
+        if self._chained is not None:  # the target runs it now: the draft's work for its outcomes goes first
+            self._begin_chained(self._chained)
+        self._record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy)
 
     def _record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
                 t_start: float, draft_busy: bool) -> None:
@@ -222,6 +308,9 @@ class StepLoop:
         self._busy.inc(response.forward_ms / 1000)
         self._parts["draft"].observe(draft_ms / 1000)
         self._parts["router"].observe(max(0.0, total_ms - response.forward_ms - draft_ms) / 1000)
+
+    def _count_outcomes(self, plan: StepPlan) -> None:
+        """Where this step's proposals came from: lookup, or the pipeline (hit, late or wrong)."""
         if self.spec.from_lookup:
             self.metrics.lookup_proposals.inc(len(self.spec.from_lookup))
         if self.draft.up:
@@ -237,46 +326,3 @@ class StepLoop:
                 else:
                     self.metrics.pipeline_misses.labels(reason=outcome).inc()
                 seq.stats.pipeline[outcome] += 1
-
-    def _next_suspect(self) -> Sequence | None:
-        while self._suspects and (self._suspects[0].finished or self._suspects[0] not in self.scheduler.running):
-            self._suspects.pop(0)
-        return self._suspects[0] if self._suspects else None
-
-    def _service_error(self, plan: StepPlan, only: Sequence | None, err: ServiceError) -> None:
-        """The target failed a step it could read. Resending it as is may fail forever, so each of its
-        sequences is retried alone: one that fails alone is the cause and gets an error, the rest go on.
-        Every sequence is retried at most once per failure; the target is still up."""
-        self.metrics.target_errors.inc()
-        if only is not None:
-            log.error("target failed seq %d on its own (%s): failing that request", only.seq_id, err)
-            self._suspects.remove(only)
-            self._fail(only, FinishReason.ERROR, InternalError(f"the target failed this request: {err}"))
-            return
-        seqs = plan.sequences
-        log.warning("target failed a step (%s): retrying its %d sequences one at a time", err, len(seqs))
-        self._suspects.extend(s for s in seqs if s not in self._suspects)
-
-    def _reject(self, plan: StepPlan, err: Rejected) -> None:
-        """The target refused the step: a capacity mismatch preempts, a bad entry fails its request."""
-        log.error("target rejected a step: %s", err)
-        if err.code.name == "RESOURCE_EXHAUSTED" and self.scheduler.running:
-            victim = self.scheduler.running[-1]  # the service holds blocks the router did not count
-            self.scheduler.preempt(victim)
-            self.metrics.preemptions.inc()
-            self._pending_release.append(victim.seq_id)
-            return
-        seqs = plan.sequences
-        marker = "entries["
-        if marker in err.details:
-            idx = int(err.details.split(marker, 1)[1].split("]", 1)[0])
-            seqs = seqs[idx:idx + 1]
-        for seq in seqs:
-            self._fail(seq, FinishReason.ERROR, err)
-
-
-def _logprobs(res: target_pb2.EntryResult) -> list[TokenLogprob] | None:
-    if not res.logprobs:
-        return None
-    return [TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
-            for lp in res.logprobs]

@@ -53,6 +53,16 @@ class Metrics:
         self.pipeline_waits = Counter("tandem:pipeline_waits", "Steps that waited (at most what the proposals "
                                       "were worth) for a draft call about to land with them: arrived or timed_out "
                                       "(the step then ran without them)", ["outcome"], registry=r)
+        self.chained_steps = Counter("tandem:chained_steps", "Steps sent while the step ahead of them still ran "
+                                     "(router.chain): the target went on without a round trip to the router",
+                                     registry=r)
+        self.unchained_steps = Counter("tandem:unchained_steps", "Steps that were not chained behind the one before "
+                                       "(the target waited a round trip for them), by why: draft_late = the step "
+                                       "ahead answered before the draft's branches for it landed, no_draft_call = "
+                                       "the draft had no call for its outcomes (resting, busy, down), no_proposal = "
+                                       "a sequence wanted drafts the draft had not prepared, plan = the step ahead "
+                                       "was not decodes of every running sequence (prompts, a newcomer waiting, a "
+                                       "grammar, seeded sampling, a finish)", ["reason"], registry=r)
         self.lookup_proposals = Counter("tandem:lookup_proposals", "Verifications whose drafts came from prompt "
                                         "lookup (the draft had none for them, or there is no draft)", registry=r)
         self.pipeline_lookups = Counter("tandem:pipeline_lookups", "Verifications whose next proposal was "

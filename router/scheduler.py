@@ -90,13 +90,14 @@ class Scheduler:
             t, d = t - len(at), d - len(ad)
         return t, d
 
-    def _usage(self) -> tuple[int, int, set[int], set[int]]:
-        """Blocks the running sequences allocate (target, draft), and the cached ones they attached."""
+    def _usage(self, extra: int = 0) -> tuple[int, int, set[int], set[int]]:
+        """Blocks the running sequences allocate (target, draft), and the cached ones they attached;
+        extra: tokens more per sequence."""
         t = d = 0
         shared_t: set[int] = set()
         shared_d: set[int] = set()
         for seq in self.running:
-            rt, rd = self._reserve(seq)
+            rt, rd = self._reserve(seq, extra)
             t, d = t + rt, d + rd
             if self.prefix is not None:
                 at, ad = self.prefix.attached(seq)
@@ -107,6 +108,12 @@ class Scheduler:
     def usage(self) -> tuple[int, int]:
         t, d, shared_t, shared_d = self._usage()
         return t + len(shared_t), d + len(shared_d)
+
+    def fits_ahead(self) -> bool:
+        """Whether every running sequence also has room for a step after its next one (a chained step
+        is planned before the router knows how many tokens the step ahead of it adds)."""
+        t, d, shared_t, shared_d = self._usage(extra=self.config.k_max + 1)
+        return self._fits(t + len(shared_t), d + len(shared_d))
 
     def _fits(self, t: int, d: int) -> bool:
         return t <= self.target.num_blocks and (self.draft is None or d <= self.draft.num_blocks)

@@ -133,6 +133,9 @@ class DraftCost:
     model: StepCostModel = field(default_factory=lambda: StepCostModel(alpha=1.0, beta=0.5))
     pipelined: bool = True
     slowdown: float = 1.0  # the target's step time while the draft works over without (Contention.factor)
+    # A chained step's proposals (router.chain) come from a call that landed already, and a call late for
+    # the step after it costs that step its chaining (a round trip), not its drafts: all are ready.
+    always_ready: bool = False
 
     def observe(self, ms: float, rounds: int, entries: int = 1) -> None:
         if rounds > 0:
@@ -153,7 +156,7 @@ class DraftCost:
         if not self.pipelined:
             return target_ms + draft_ms, 1.0
         step_ms = target_ms * self.stretch(max_k)
-        return step_ms, min(1.0, step_ms / draft_ms)
+        return step_ms, 1.0 if self.always_ready else min(1.0, step_ms / draft_ms)
 
 
 def worth_waiting_ms(step_ms: float, tokens: float, gain: float, odds: float) -> float:

@@ -24,6 +24,7 @@ from router.spec_policy import expected_tokens
 from tandem.v1 import common_pb2
 
 MAX_RANK = 8  # candidates considered per outcome position
+Proposal = tuple[list[int], list[common_pb2.SparseDist]]  # drafts and their q (empty when greedy)
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ class Prepared:
         return seen
 
 
-def best_proposal(prepared: list[Prepared], history: Seq[int]) -> tuple[list[int], list[common_pb2.SparseDist]]:
+def best_proposal(prepared: list[Prepared], history: Seq[int]) -> Proposal:
     """The longest still-valid continuation of `history` among the prepared ones: (drafts, their q)."""
-    best: tuple[list[int], list[common_pb2.SparseDist]] = ([], [])
+    best: Proposal = ([], [])
     for p in prepared:
         seen = p.remaining(history)
         if seen >= 0 and len(p.drafts) - seen > len(best[0]):

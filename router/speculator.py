@@ -5,6 +5,7 @@ outcomes, plain proposals where a guess will not do). The step loop asks; this m
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from router.config import RouterConfig
 from router.core import Sequence
@@ -20,10 +21,9 @@ from router.spec_policy import (
     expected_tokens,
     worth_waiting_ms,
 )
-from router.speculation import Candidate, best_proposal, plan_branches, prune
+from router.speculation import Candidate, Proposal, best_proposal, plan_branches, prune
 from tandem.v1 import common_pb2
 
-Proposal = tuple[list[int], list[common_pb2.SparseDist]]
 PROBE_EVERY = 32  # steps between draft-idle probes of the target's slowdown while the draft works
 SLOWS_TARGET = 1.05  # a measured slowdown above this is contention, not noise
 QUIET_PROBES = 8  # a draft that does not slow the target is probed this many times less often
@@ -105,6 +105,20 @@ class Speculator:
                 caps[i] = k
         return [self._match(seq, k, offer, lookup) for seq, k, offer, lookup in zip(decoders, caps, offers, by_lookup,
                                                                                    strict=True)]
+
+    def chain_ks(self, decoders: list[Sequence]) -> list[int]:
+        """k per decoder for a step chained behind the one running (router.chain): the policy's wish,
+        from the draft (lookup's guesses need the outcome, which only the target knows yet)."""
+        caps = [self.cap(s) for s in decoders]
+        if not self.config.dynamic_k:
+            return caps
+        dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
+        rates = [decoders[i].tracker.rate for i in dyn]
+        ks = choose_k(rates, [caps[i] for i in dyn], 0, self.cost, replace(self.draft_cost, always_ready=True),
+                      base_seqs=len(decoders) - len(dyn))
+        for i, k in zip(dyn, ks, strict=True):
+            caps[i] = k
+        return caps
 
     def _dynamic_k(self, decoders: list[Sequence], caps: list[int], dyn: list[int], by_lookup: list[bool],
                    prefill_tokens: int) -> list[int]:

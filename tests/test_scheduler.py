@@ -438,6 +438,17 @@ def test_fits_ever_counts_the_lookahead_of_both_caches():
     assert both.fits_ever(30) and not both.fits_ever(31)
 
 
+def test_a_step_is_chained_only_if_every_sequence_has_room_for_one_more_step():
+    config = RouterConfig(max_num_batched_tokens=256, max_num_seqs=8, k_max=2)  # a step adds up to k + 1 = 3
+    # block_size 1: 2 sequences of 10 tokens reserve 10 + 3 blocks each now, 10 + 6 each a step further
+    for blocks, ahead in ((26, False), (31, False), (32, True)):
+        sched = Scheduler(config, CacheGeometry(blocks, 1), None)
+        for i in range(2):
+            sched.add(make_seq(i, prompt_of(i, 10), 8))
+        sched.schedule(all_k_max(config))
+        assert len(sched.running) == 2 and sched.fits_ahead() is ahead, blocks
+
+
 # ---- preemption and recompute --------------------------------------------------------------------------
 def test_growth_preempts_the_newest_sequence_and_recompute_restores_its_output():
     config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=4, k_max=0)
