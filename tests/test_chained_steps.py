@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 import torch
@@ -31,6 +33,8 @@ from target_service.chaining import remember, resolve_chained
 from tests.conftest import SMALL, hf_greedy, write_checkpoint
 from tests.stack import REALISTIC_STEP_S, complete, running_stack, start_target, wait_until
 from tests.test_router_integration import metric, prompts
+
+T = TypeVar("T")
 
 
 def chained(seq_id: int, *alts: tuple[list[int], list[int]]) -> target_pb2.StepEntry:
@@ -137,68 +141,68 @@ def model_dir(tmp_path_factory):
     return write_checkpoint(LlamaConfig(**SMALL), tmp_path_factory.mktemp("chain-target"), seed=5)
 
 
-def test_steps_sent_back_to_back_decode_like_transformers(model_dir):
+def over_grpc(model_dir, body: Callable[[TargetClient], Awaitable[T]]) -> T:
+    """body(client) against a fresh target service; both closed after."""
     server, _ = start_target(model_dir, num_blocks=64, block_size=4)
-    ids = torch.randint(0, SMALL["vocab_size"], (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    ref = hf_greedy(model_dir, ids, 10)
-    wrong = (ref[3] + 1) % SMALL["vocab_size"]
 
-    async def run() -> list[target_pb2.StepResponse]:
+    async def run() -> T:
         client = TargetClient(server.address, timeout_s=30)
         try:
-            [first] = (await client.step([target_pb2.StepEntry(seq_id=1, tokens=ids, emit=True)])).results
-            assert list(first.tokens) == ref[:1]
-            tickets = [
-                await client.send_step([target_pb2.StepEntry(seq_id=1, start_pos=12, emit=True, num_draft_tokens=3,
-                                                             tokens=[ref[0], ref[1], ref[2], wrong])]),
-                await client.send_step([chained(1, ([ref[1], 0], [5]), (ref[1:4], ref[4:6]))]),  # the second happens
-                await client.send_step([chained(1, ([0], [1, 2]))]),  # none happens: k = 0
-            ]
-            return [await client.receive_step(t) for t in tickets]
+            return await body(client)
         finally:
             await client.close()
 
     try:
-        answers = asyncio.run(run())
+        return asyncio.run(run())
     finally:
         server.stop()
-    [a], [b], [c] = (r.results for r in answers)
+
+
+def test_steps_sent_back_to_back_decode_like_transformers(model_dir):
+    ids = torch.randint(0, SMALL["vocab_size"], (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = hf_greedy(model_dir, ids, 10)
+    wrong = (ref[3] + 1) % SMALL["vocab_size"]
+
+    async def steps(client: TargetClient) -> list[target_pb2.StepResponse]:
+        [first] = (await client.step([target_pb2.StepEntry(seq_id=1, tokens=ids, emit=True)])).results
+        assert list(first.tokens) == ref[:1]
+        tickets = [
+            await client.send_step([target_pb2.StepEntry(seq_id=1, start_pos=12, emit=True, num_draft_tokens=3,
+                                                         tokens=[ref[0], ref[1], ref[2], wrong])]),
+            await client.send_step([chained(1, ([ref[1], 0], [5]), (ref[1:4], ref[4:6]))]),  # the second happens
+            await client.send_step([chained(1, ([0], [1, 2]))]),  # none happens: k = 0
+        ]
+        return [await client.receive_step(t) for t in tickets]
+
+    [a], [b], [c] = (r.results for r in over_grpc(model_dir, steps))
     assert (list(a.tokens), a.num_accepted, a.cached_len) == (ref[1:4], 2, 15)
     assert (list(b.tokens), b.num_accepted, b.alternative, b.cached_len) == (ref[4:7], 2, 2, 18)
     assert (list(c.tokens), c.num_accepted, c.alternative) == (ref[7:8], 0, 0)
 
 
 def test_a_failed_step_takes_the_chained_one_along_and_the_next_stream_serves(model_dir):
-    server, _ = start_target(model_dir, num_blocks=64, block_size=4)
     ids = list(range(3, 15))
 
-    async def run() -> None:
-        client = TargetClient(server.address, timeout_s=30)
+    async def steps(client: TargetClient) -> None:
+        [r] = (await client.step([target_pb2.StepEntry(seq_id=1, tokens=ids, emit=True)])).results
+        failing = await client.send_step([target_pb2.StepEntry(seq_id=1, start_pos=40, tokens=[r.tokens[0]],
+                                                               emit=True)])  # it holds 12, not 40
         try:
-            [r] = (await client.step([target_pb2.StepEntry(seq_id=1, tokens=ids, emit=True)])).results
-            failing = await client.send_step([target_pb2.StepEntry(seq_id=1, start_pos=40, tokens=[r.tokens[0]],
-                                                                   emit=True)])  # it holds 12, not 40
-            try:
-                behind = await client.send_step([chained(1)])
-            except ServiceDown:  # the stream already ended with the step ahead of it
-                behind = None
-            # the step ahead fails as itself; if the write behind it met the ended stream, gRPC reports the
-            # call as broken instead (the router then recomputes as for a lost service): never as a success
-            with pytest.raises(CacheMissError if behind is not None else (CacheMissError, ServiceDown)):
-                await client.receive_step(failing)
-            if behind is not None:
-                with pytest.raises(ServiceDown):  # never run: the stream ended with the step ahead of it
-                    await client.receive_step(behind)
-            [r2] = (await client.step([target_pb2.StepEntry(seq_id=1, start_pos=12, tokens=[r.tokens[0]],
-                                                            emit=True)])).results
-            assert r2.cached_len == 13
-        finally:
-            await client.close()
+            behind = await client.send_step([chained(1)])
+        except ServiceDown:  # the stream already ended with the step ahead of it
+            behind = None
+        # the step ahead fails as itself; if the write behind it met the ended stream, gRPC reports the
+        # call as broken instead (the router then recomputes as for a lost service): never as a success
+        with pytest.raises(CacheMissError if behind is not None else (CacheMissError, ServiceDown)):
+            await client.receive_step(failing)
+        if behind is not None:
+            with pytest.raises(ServiceDown):  # never run: the stream ended with the step ahead of it
+                await client.receive_step(behind)
+        [r2] = (await client.step([target_pb2.StepEntry(seq_id=1, start_pos=12, tokens=[r.tokens[0]],
+                                                        emit=True)])).results
+        assert r2.cached_len == 13
 
-    try:
-        asyncio.run(run())
-    finally:
-        server.stop()
+    over_grpc(model_dir, steps)
 
 
 # ---- the whole stack ----------------------------------------------------------------------------
