@@ -72,6 +72,7 @@ def test_services_that_lost_their_caches_refuse_the_attach_and_the_router_recomp
             parts[name].stop(timeout=15)
             parts[name], _ = start(target_dir if name == "target" else draft_dir, port=port)
         assert wait_until(lambda: metric(router.url, "tandem:draft_available") == 1, 30)
+        assert wait_until(lambda: metric(router.url, "tandem:target_available") == 1, 30)
         history = first[-1][0] + first[-1][1]
         prompt = history + user(0, TURNS)
         out = complete(router.url, prompt, OUT)["choices"][0]["token_ids"]
