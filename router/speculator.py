@@ -113,17 +113,16 @@ class Speculator:
         if not self.config.dynamic_k:
             return caps
         dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
-        rates = [decoders[i].tracker.rate for i in dyn]
-        ks = choose_k(rates, [caps[i] for i in dyn], 0, self.cost, replace(self.draft_cost, always_ready=True),
-                      base_seqs=len(decoders) - len(dyn))
+        ready = replace(self.draft_cost, always_ready=True)
+        ks = self._dynamic_k(decoders, caps, dyn, [False] * len(decoders), 0, ready)
         for i, k in zip(dyn, ks, strict=True):
             caps[i] = k
         return caps
 
     def _dynamic_k(self, decoders: list[Sequence], caps: list[int], dyn: list[int], by_lookup: list[bool],
-                   prefill_tokens: int) -> list[int]:
+                   prefill_tokens: int, draft_cost: DraftCost | None = None) -> list[int]:
         rates = [(decoders[i].lookup_tracker if by_lookup[i] else decoders[i].tracker).rate for i in dyn]
-        return choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost, self.draft_cost,
+        return choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost, draft_cost or self.draft_cost,
                         [not by_lookup[i] for i in dyn], base_seqs=len(decoders) - len(dyn) + (prefill_tokens > 0))
 
     def _offers(self, seq: Sequence) -> tuple[Proposal, Proposal]:
