@@ -89,7 +89,7 @@ class StepLoop:
             ids, self._pending_release = self._pending_release, []
             await self.release_now(ids)
         if self._chained is not None:
-            return await self._chained_iteration()
+            return await self._chained_iteration(t_start)
         draft_ms = await self._grace() if self.config.pipeline else await self.spec.sequential_proposals()
         self.spec.new_step()
         only = self.faults.next_suspect()
@@ -124,14 +124,16 @@ class StepLoop:
         self._done(plan, sent, response, draft_ms, t_start, t_target, trace)
         return True
 
-    async def _chained_iteration(self) -> bool:
+    async def _chained_iteration(self, t_start: float) -> bool:
         """The step sent behind the last one, which the target is running (or ran): await its answer,
-        chaining the next one the same way (_begin_chained prepared it when the step ahead answered)."""
+        chaining the next one the same way (_begin_chained prepared it when the step ahead answered).
+        Its time counts from this iteration's start, like any step's (the target went on with it when
+        the last one answered, but the router's work on that answer is the last step's time)."""
         chained, self._chained = self._chained, None
         assert chained is not None and chained.plan is not None, "begun when the step ahead answered"
         self.metrics.chained_steps.inc()
         plan, sent = chained.plan, chained.sent
-        t_start = self._answered_at  # the target went on with this step when the last one answered
+        t_target = self._answered_at  # the target went on with this step when the last one answered
         may_chain = self._may_chain(plan, chained.launched)
         response = await self._target_step(plan, None, self._receive(chained.ticket, plan, sent, may_chain))
         if response is None:
@@ -139,7 +141,7 @@ class StepLoop:
         for res, chosen in zip(response.results, chained.chosen, strict=True):
             assert res.alternative == chosen, f"seq {res.seq_id}: the target verified alternative {res.alternative}, " \
                                               f"the router booked {chosen}"
-        self._done(plan, sent, response, 0.0, t_start, t_start, None)
+        self._done(plan, sent, response, 0.0, t_start, t_target, None)
         return True
 
     def _begin_chained(self, chained: ChainedStep) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -26,6 +27,7 @@ from router.chain import alternatives, chainable, resolve
 from router.clients import CacheMissError, ServiceDown, TargetClient
 from router.config import RouterConfig
 from router.core import Request, Sequence
+from router.loop import StepLoop
 from router.scheduler import Chunk, StepPlan
 from router.speculation import Prepared
 from tandem.v1 import common_pb2, target_pb2
@@ -226,6 +228,26 @@ def test_chained_decoding_matches_transformers(stack, caplog):
     assert metric(router.url, "tandem:pipeline_hits_total") > 0  # chained steps verify the draft's branches
     # a sequence that finished at a step with one chained behind it is released after that one ran
     assert not [r for r in caplog.records if "lost the cache" in r.getMessage() or r.levelname == "ERROR"]
+
+
+def test_each_step_is_timed_from_where_the_one_before_ended(stack, monkeypatch):
+    """step_time{part} splits each step's interval: over back-to-back chained steps the router's work
+    on one answer belongs to that answer's step, so no two steps' intervals overlap (their parts add
+    up to no more than the wall time)."""
+    intervals: list[tuple[float, float]] = []
+    record = StepLoop._record
+
+    def timed(loop: StepLoop, plan, response, draft_ms, target_wall_ms, t_start, draft_busy) -> None:
+        record(loop, plan, response, draft_ms, target_wall_ms, t_start, draft_busy)
+        intervals.append((t_start, time.perf_counter()))
+
+    monkeypatch.setattr(StepLoop, "_record", timed)
+    router = stack["router"]
+    chained_before = metric(router.url, "tandem:chained_steps_total")
+    complete(router.url, prompts(2)[0], 120)
+    assert metric(router.url, "tandem:chained_steps_total") - chained_before > 20
+    overlaps = [n for n in range(1, len(intervals)) if intervals[n][0] < intervals[n - 1][1]]
+    assert not overlaps, f"{len(overlaps)} of {len(intervals)} steps began before the one ahead was booked"
 
 
 def test_sampled_requests_complete_over_chained_steps(stack):
