@@ -65,6 +65,21 @@ def test_mixed_batch_chunk_verify_and_decodes(hf_checkpoint):
         torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0, msg=f"seq {x.seq_id}")
 
 
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_uniform_batch_of_decodes_or_verifications(hf_checkpoint, q_len):
+    """Every sequence with the same number of queries (one-token decodes, or verifications of one k):
+    the attention plan without padding, over sequences of different lengths, one ending a block."""
+    _, model_dir = hf_checkpoint
+    runner = runner_for(model_dir)
+    cached = {1: 8, 2: 13, 3: 30}  # block_size 4: sequence 1 fills two blocks exactly
+    seqs = {s: tokens(40 + s, n + q_len) for s, n in cached.items()}
+    runner.forward([SeqInput(s, 0, seqs[s][:n], 0) for s, n in cached.items()])
+    batch = [SeqInput(s, n, seqs[s][n:], num_logits=q_len) for s, n in cached.items()]
+    for x, logits in zip(batch, runner.forward(batch), strict=True):
+        ref = hf_logits(model_dir, seqs[x.seq_id])[-q_len:]
+        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0, msg=f"seq {x.seq_id}")
+
+
 def test_trim_and_append_different_tokens(hf_checkpoint):
     """Rollback after a rejection: cache 20 tokens, rewind to 13, append other tokens."""
     _, model_dir = hf_checkpoint
