@@ -15,6 +15,7 @@ after step t, and the loop books both a step behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -65,6 +66,7 @@ class StepLoop:
         self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
         self._busy = metrics.target_busy.labels(replica=target.address)
         self._unchained = metrics.unchained_steps
+        self._accepted_at = functools.cache(lambda pos: metrics.accepted_per_pos.labels(position=str(pos)))
         self.tracer = config.tracer
 
     # ---- one iteration ---------------------------------------------------------------------------
@@ -272,7 +274,7 @@ class StepLoop:
                 self.metrics.num_draft_tokens.inc(k)
                 self.metrics.num_accepted.inc(res.num_accepted)
                 for pos in range(res.num_accepted):
-                    self.metrics.accepted_per_pos.labels(position=str(pos)).inc()
+                    self._accepted_at(pos).inc()
             self.metrics.emitted_per_step.observe(len(res.tokens))
             if seq.finished:
                 continue

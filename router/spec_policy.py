@@ -313,13 +313,19 @@ def _solve(m: list[list[float]], y: list[float]) -> tuple[float, ...] | None:
     size = len(y)
     a = [row[:] + [v] for row, v in zip(m, y, strict=True)]
     scale = max(1.0, max(abs(a[i][i]) for i in range(size)))
-    for col in range(size):
-        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
+    for col in range(size):  # (in place: it runs several times a step)
+        pivot = col
+        for r in range(col + 1, size):
+            if abs(a[r][col]) > abs(a[pivot][col]):
+                pivot = r
         if abs(a[pivot][col]) < 1e-9 * scale:
             return None
         a[col], a[pivot] = a[pivot], a[col]
+        lead = a[col]
         for r in range(size):
             if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * z for x, z in zip(a[r], a[col], strict=True)]
+                row = a[r]
+                f = row[col] / lead[col]
+                for c in range(size + 1):
+                    row[c] -= f * lead[c]
     return tuple(a[i][size] / a[i][i] for i in range(size))

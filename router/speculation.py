@@ -116,12 +116,14 @@ def plan_branches(cands: list[Candidate], stats: OutcomeStats, budget: int) -> d
     """Choose up to `budget` branches (j, rank) over all candidates by expected value: the outcome's
     probability times the tokens its proposal would yield. Every candidate gets its most valuable one."""
     scored: list[tuple[float, int, int, int]] = []  # (-value, key, j, rank)
+    ranks = range(1, MAX_RANK + 1)
+    p_rank = {full: [stats.p(full, r) for r in ranks] for full in (False, True)}  # P(the target's token is rank r)
     for c in cands:
         gain = expected_tokens(c.a, c.k) - 1.0
         for j in range(c.v + 1):
             p_j = c.a ** j * ((1.0 - c.a) if j < c.v else 1.0)
-            for r in range(1, MAX_RANK + 1):
-                scored.append((-(p_j * stats.p(j == c.v, r) * gain), c.key, j, r))
+            for r, p_r in zip(ranks, p_rank[j == c.v], strict=True):
+                scored.append((-(p_j * p_r * gain), c.key, j, r))
     heapq.heapify(scored)
     plan: dict[int, list[tuple[int, int]]] = {}
     rest: list[tuple[float, int, int, int]] = []
