@@ -138,9 +138,10 @@ class TorchBackend:
         k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
         out = torch.empty_like(q) if len(plan) > 1 else None
         for g in plan:
-            k = k_flat[g.key_slots]  # [B, Kmax, kvh, D]
-            v = v_flat[g.key_slots]
-            qb = q[g.query_index]  # [B, Qmax, H, D]
+            slots = g.key_slots.reshape(-1)  # index_select: ~4x faster than k_flat[key_slots] on CPU
+            k = k_flat.index_select(0, slots).view(*g.key_slots.shape, kv_heads, head_dim)  # [B, Kmax, kvh, D]
+            v = v_flat.index_select(0, slots).view(*g.key_slots.shape, kv_heads, head_dim)
+            qb = q.reshape(*g.query_index.shape, *q.shape[1:]) if g.uniform else q[g.query_index]  # [B, Qmax, H, D]
             o = F.scaled_dot_product_attention(
                 qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=g.mask, scale=self.scale, enable_gqa=True,
