@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, BatchLayout
@@ -51,6 +52,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq.float()
 
 
+Angles = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim]
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -65,15 +69,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def angles(self, positions: torch.Tensor) -> Angles:
+        """cos and sin [T, 1, D] of each flat token's position: once per forward, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, angles: Angles) -> torch.Tensor:
+    """x [T, heads, D] rotated by its tokens' angles (the two halves of each head paired), in fp32."""
+    cos, sin = angles
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    if x.dtype == torch.float32:
+        return x * cos + rotated * sin
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
@@ -84,7 +91,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one op: the same sums, fewer dispatches
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        xf = x.float()  # lower precision: normalised in fp32, scaled in x's dtype (as transformers does)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -100,12 +109,12 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(ctx.positions, q, k)
+    def forward(self, x: torch.Tensor, angles: Angles, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q | k | v]: q and k are rotated together, one pass
+        qk_size, heads = self.q_size + self.kv_size, self.num_heads + self.num_kv_heads
+        qk = rotate(qkv[:, :qk_size].view(-1, heads, self.head_dim), angles)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.write(self.layer, k, v, ctx.slot_mapping)
         out = ctx.backend.attend(q, ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer], ctx.plan)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -131,8 +140,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, ctx)
+    def forward(self, x: torch.Tensor, angles: Angles, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), angles, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -187,8 +196,9 @@ class CausalLM(nn.Module):
         """Every layer (each writes its K/V to the cache): [T, hidden], before the final norm.
         All a tensor-parallel follower runs: only the leader needs logits."""
         x = self.model.embed_tokens(input_ids)
+        angles = self.model.rotary.angles(ctx.positions)
         for layer in self.model.layers:
-            x = layer(x, self.model.rotary, ctx)
+            x = layer(x, angles, ctx)
         return x
 
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from engine import CacheMiss, EngineConfig, InvalidInput, KVCacheExhausted, ModelRunner, SeqInput
 from engine.config import UnsupportedModelError
+from engine.model import RMSNorm
 from tests.conftest import hf_logits
 
 ATOL = 1e-4
@@ -78,6 +79,18 @@ def test_uniform_batch_of_decodes_or_verifications(hf_checkpoint, q_len):
     for x, logits in zip(batch, runner.forward(batch), strict=True):
         ref = hf_logits(model_dir, seqs[x.seq_id])[-q_len:]
         torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0, msg=f"seq {x.seq_id}")
+
+
+def test_fp32_rms_norm_in_one_op_is_bit_identical_to_the_formula():
+    """RMSNorm takes torch's rms_norm in fp32 (fewer dispatches per layer): the same numbers, bit for bit,
+    as normalising in fp32 and scaling by the weight, which transformers' Llama/Qwen2 norms do."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, dim, scale in [(1, 128, 1.0), (5, 576, 30.0), (80, 256, 1e-3), (3, 897, 1e4)]:
+        norm = RMSNorm(dim, eps=1e-5)
+        norm.weight.data = torch.randn(dim, generator=gen)
+        x = torch.randn(rows, dim, generator=gen) * scale
+        xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+        assert torch.equal(norm(x), norm.weight * xf), (rows, dim, scale)
 
 
 def test_trim_and_append_different_tokens(hf_checkpoint):
