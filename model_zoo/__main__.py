@@ -21,14 +21,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "OUT/target (fp32 safetensors, config, tokenizer, chat template) and checked against "
             "transformers' own GGUF load. The draft OUT/draft is cut from the target (a few of its layers, "
             "a head over its most frequent tokens) and distilled on the target's own greedy answers to "
-            "chat questions it wrote itself and to stdlib code. Both are then measured on held-out chat and "
+            "chat questions it wrote itself and to stdlib code, and on its reading of stdlib code. Both are "
+            "then measured on held-out chat and "
             "code: greedy acceptance at k = 1..8 and the per-token decode cost ratio, by transformers and by "
             "Tandem's engine. A pair that misses its gates (acceptance at k=4 >= 0.55 on each, cost ratio "
             ">= 8x by each) is not installed. The report goes to OUT/report.json. A second run with the "
             "same settings returns at once."
         ),
         epilog=(
-            "variants: full = the served pair (under 20 minutes on 2 CPU cores, the first time; cached "
+            "variants: full = the served pair (under 30 minutes on 2 CPU cores, the first time; cached "
             "afterwards); tiny = seconds, a few prompts and steps, for tests (numbers meaningless, no gates)."
         ),
     )

@@ -24,7 +24,7 @@ from demo_models.precision import native_bf16, use_bf16
 from demo_models.report import load_report, save_report
 
 from . import distill, evaluate, smollm2
-from .data import label_data, make_prompts
+from .data import label_data, make_prompts, read_code
 from .report import format_report
 from .settings import VARIANTS, DraftSettings, library_versions, settings_hash
 
@@ -51,7 +51,8 @@ def build(
     kept in ``source_dir`` (default OUT/.source)."""
     s = VARIANTS[variant] if isinstance(variant, str) else variant
     if not time_caps:
-        s = dataclasses.replace(s, labelling_max_seconds=0.0, train=dataclasses.replace(s.train, max_seconds=0.0))
+        s = dataclasses.replace(s, labelling_max_seconds=0.0, reading_max_seconds=0.0,
+                                train=dataclasses.replace(s.train, max_seconds=0.0))
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
     try:
@@ -104,6 +105,7 @@ def _build(s: DraftSettings, out: Path, source: Path, force: bool, bf16: bool, a
     if data is None or data.get("settings_hash") != digest:
         prompts = make_prompts(s, str(target_dir), tok, corpus, progress)
         data = {"settings_hash": digest, **label_data(s, str(target_dir), prompts, progress)}
+        data["read"], data["info"]["read"] = read_code(s, str(target_dir), tok, corpus, progress)
         torch.save(data, stage)
     else:
         log(f"reusing the labelled data in {stage}")
@@ -118,7 +120,7 @@ def _build(s: DraftSettings, out: Path, source: Path, force: bool, bf16: bool, a
     config, weights = distill.cut_draft(target_dir, s.layers, head_ids)
     weights["model.norm.weight"] = weights["model.norm.weight"] * s.norm_scale
     model = distill.build_model(config, weights)
-    training = distill.distill(model, train, s.train, s.loss, s.seed + 10, bf16)
+    training = distill.distill(model, train + data["read"], s.train, s.loss, s.seed + 10, bf16)
     distill.save_draft(config, distill.trained_weights(model), target_dir, work / "draft")
     del model, weights
     seconds["draft_distillation"] = round(time.perf_counter() - t0, 1)
@@ -186,7 +188,8 @@ def measure(s: DraftSettings, work: Path, data: dict, head_ids: list[int]) -> di
 
 
 def check_gates(s: DraftSettings, report: dict) -> list[dict]:
-    phases = {"labelling": report["draft"]["data"], "draft training": report["draft"]["training"]}
+    phases = {"labelling": report["draft"]["data"], "reading": report["draft"]["data"]["read"],
+              "draft training": report["draft"]["training"]}
     capped = [name for name, x in phases.items() if x["stopped_by_time_cap"]]
     note = f" (time cap stopped: {', '.join(capped)})" if capped else ""
     gates = []

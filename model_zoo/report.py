@@ -24,6 +24,9 @@ def format_report(r: dict) -> str:
         f"({data['chat_questions']} self-written chat questions, {data['code_windows']} stdlib code windows; "
         f"{data['labelled_tokens']:,} labelled tokens, top-{data['label_top_k']}) in {data['seconds']:.0f} s"
         f"{capped(data)}",
+        f"           and the target reading {data['read']['windows']}/{data['read']['windows_planned']} windows of "
+        f"stdlib code ({data['read']['labelled_tokens']:,} labelled tokens) in {data['read']['seconds']:.0f} s"
+        f"{capped(data['read'])}",
         f"           {tr['steps']}/{tr['steps_planned']} steps in {tr['seconds']:.0f} s, {tr['precision']}, "
         f"final train loss {tr['final_train_loss']:.3f}{capped(tr)}",
     ]

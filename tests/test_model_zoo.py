@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from demo_models.build import BuildFailed
 from model_zoo import distill, evaluate
+from model_zoo.data import read_labels
 from model_zoo.generate import Generated, generate, make_runner
 from model_zoo.hf_draft import load_causal_lm
 from tests.conftest import write_checkpoint
@@ -63,6 +64,25 @@ def test_generation_equals_transformers_greedy_and_labels_are_its_top_k(small_ta
         at = logp[len(g.prompt) - 1 : -1]  # the positions that predicted each output token
         assert torch.equal(g.top_ids[:, 0], torch.tensor(g.output))
         torch.testing.assert_close(g.top_logprobs, at.gather(-1, g.top_ids), atol=1e-4, rtol=0)
+
+
+def test_reading_labels_every_position_after_the_context_with_transformers_top_k(small_target):
+    """Teacher forcing: the labels of a window are the model's top-K where it predicts each of the
+    window's tokens after the context, whatever the model itself would have generated."""
+    windows = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1, 8, 2, 8, 1, 8], [9, 9, 8, 7, 6, 5, 4, 3, 2]]
+    read = read_labels(make_runner(str(small_target), 4096), windows, 3, 5, per_forward=2, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(small_target).eval()
+    assert len(read) == 3
+    for w, g in zip(windows, read, strict=True):
+        assert g.prompt == w[:3] and g.output == w[3:]
+        with torch.no_grad():
+            logp = model(torch.tensor([w])).logits[0].log_softmax(-1)
+        at = logp[2:-1]  # the positions that predict w[3:]
+        assert g.top_ids.shape == (len(w) - 3, 5)
+        assert torch.equal(g.top_ids[:, 0], at.argmax(-1))
+        torch.testing.assert_close(g.top_logprobs, at.gather(-1, g.top_ids), atol=1e-4, rtol=0)
+    [b] = distill.make_batches(read[:1], 1000, torch.Generator().manual_seed(0))
+    assert b.tokens[0].tolist() == windows[0][:-1] and b.cols.tolist() == list(range(2, 9))
 
 
 def test_distillation_loss_is_lowest_at_the_teachers_distribution_within_the_head():
