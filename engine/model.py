@@ -3,7 +3,7 @@
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are fused
 into one matmul each (fewer kernel launches; on CPU per-call overhead is what decode pays for).
 See weights.py for the mapping. With tensor parallelism (engine/parallel.py) each rank builds
-its share of the heads and MLP features; with one rank the layers are plain nn.Linear ones.
+its share of the heads and MLP features; with one rank the layers are plain linears (engine/linear.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 from engine.attention import AttentionBackend, BatchLayout
 from engine.config import ModelConfig, RopeConfig
 from engine.kv_cache import PagedKVCache
+from engine.linear import Linear
 from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 
@@ -154,7 +155,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
 
-class ReducedHead(nn.Linear):
+class ReducedHead(Linear):
     """An output projection over a subset of the vocabulary (a draft's most frequent tokens, as in
     FR-Spec and EAGLE-3): row i scores token token_ids[i]; every other token gets logit -inf, so
     the draft's distribution q is exactly zero there and rejection sampling stays lossless."""
@@ -177,7 +178,7 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.model = DecoderModel(cfg, max_positions, tp)
         if cfg.head_vocab_size is None:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
             self.lm_head = ReducedHead(cfg.hidden_size, cfg.head_vocab_size, cfg.vocab_size)
         self.tie_weights()

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from engine.config import ModelConfig
+from engine.linear import Linear
 
 
 @dataclass(frozen=True)
@@ -85,14 +85,14 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
         raise ValueError("cannot shard this model: " + "; ".join(problems))
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """This rank's rows of the weight: out_features / size outputs, no communication."""
 
     def __init__(self, in_features: int, local_out_features: int, bias: bool) -> None:
         super().__init__(in_features, local_out_features, bias=bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """This rank's columns of the weight, then the sum over ranks. No bias (Llama has none here)."""
 
     def __init__(self, local_in_features: int, out_features: int, tp: TensorParallel) -> None:

@@ -21,6 +21,7 @@ from engine.attention import BatchLayout, select_backend, uses_flash
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import GraphRunner
 from engine.kv_cache import BlockManager, PagedKVCache
+from engine.linear import calibrate
 from engine.model import CausalLM, ForwardContext
 from engine.parallel import SINGLE, TensorParallel, check_shardable
 from engine.prefix_cache import PrefixCache
@@ -118,6 +119,7 @@ class ModelRunner:
         load_weights(model, model_dir)
         model.model.rotary.build(device)  # float32 tables: not weights, so not in the checkpoint
         model.eval()
+        calibrate(model)  # CPU only: which small products run faster padded (engine/linear.py)
         runner = cls(model, config, model_dir)
         if config.cuda_graphs and (runner.backend.name == "flash-attn" or runner.max_model_len <= _SDPA_GRAPH_MAX_LEN):
             runner.use_graphs()
