@@ -42,7 +42,7 @@ def test_without_pad_rows_nothing_is_padded(monkeypatch):
     ({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}, 121, set()),  # a BLAS that blocks small products: nothing to gain
     ({1: 36.0, 2: 40.0, 3: 81.0, 4: 50.0}, 121, {3}),
     ({1: 0.10, 2: 0.12, 3: 0.14, 4: 0.11}, 5, set()),  # 6 µs a layer: about what the padding costs
-    ({1: 36.0, 2: 55.0, 3: 56.0, 4: 50.0}, 121, set()),  # within timing noise
+    ({1: 36.0, 2: 54.0, 3: 54.0, 4: 50.0}, 121, set()),  # within timing noise
 ])
 def test_padding_only_where_four_rows_clearly_cost_less(ms, layers, expected):
     assert padded_rows(ms, layers) == frozenset(expected)
