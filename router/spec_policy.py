@@ -86,20 +86,43 @@ class Contention:
         return max(1.0, (self.busy / self.n_busy) / (self.idle / self.n_idle))
 
 
+SMALL_STEP = 16  # steps of at most this many tokens are costed from their own observations, once seen
+
+
+@dataclass
+class _SizeCost:
+    """Decayed sums of the observed steps of one size: their ms and their sequences."""
+
+    ms: float = 0.0
+    seqs: float = 0.0
+    n: float = 0.0
+
+
 @dataclass
 class StepCostModel:
     """t(N, S) = alpha + beta * N + gamma * S for a step scoring N tokens of S sequences: least squares
     over exponentially decayed observations. Sequences cost apart from tokens (attention over each one's
     paged KV, its sampling): measured on the demo pair on CPU, 4 sequences x 3 tokens took twice the
     time of 1 x 10. Terms the data cannot determine keep their values: with one sequence per step
-    gamma is not separable from alpha; with one size seen only the level is fitted."""
+    gamma is not separable from alpha; with one size seen only the level is fitted.
+
+    Small steps are not on that line: a memory-bound decode pays for streaming the weights once, and a
+    CPU BLAS may run 2-3 rows as that many passes (engine/linear.py). SmolLM2 on CPU, one thread:
+    1 token 60 ms, 3 tokens 85-125 ms, while prompt chunks of 256 set the slope at ~1.3 ms a token, so
+    the line priced a verification of 2 drafts at 1.04x a decode, and k = 2 at acceptance 0.2 lost to
+    k = 0. A size of at most SMALL_STEP tokens seen a few times is costed from its own mean (adjusted
+    by gamma for its sequences); an unseen one from the line, which the policy then tries and learns."""
 
     alpha: float = 10.0  # ms; priors from CPU measurements: 6 tokens cost ~1.6x one
     beta: float = 1.2
     gamma: float = 0.0
     _sums: _Normal3 = field(default_factory=lambda: _Normal3())
+    _small: dict[int, _SizeCost] = field(default_factory=dict)
 
     def observe(self, tokens: int, ms: float, seqs: int = 1, decay: float = 0.98) -> None:
+        if tokens <= SMALL_STEP:
+            size = self._small.setdefault(tokens, _SizeCost())
+            size.ms, size.seqs, size.n = decay * size.ms + ms, decay * size.seqs + seqs, decay * size.n + 1
         s = self._sums
         s.add((1.0, float(tokens), float(seqs)), ms, decay)
         if s.n <= 4:
@@ -118,6 +141,9 @@ class StepCostModel:
             self.alpha = alpha
 
     def step_ms(self, tokens: int, seqs: int = 1) -> float:
+        size = self._small.get(tokens)
+        if size is not None and size.n >= 2.5:
+            return (size.ms + self.gamma * (seqs * size.n - size.seqs)) / size.n
         return self.alpha + self.beta * tokens + self.gamma * seqs
 
 
@@ -233,13 +259,16 @@ def _fill(rates: list[float], caps: list[int], drafted: list[bool], depth: int, 
     increments = sorted(((a ** j * (ready if d else 1.0), a ** j, i) for i, (a, d) in enumerate(zip(rates, drafted,
                          strict=True)) for j in range(1, deepest[i] + 1)), reverse=True)
     ks = [0] * len(rates)
+    best_ks = ks[:]
     for _, more, i in increments:
         trial = goodput(tokens + 1, looked + (0.0 if drafted[i] else more), by_draft + (more if drafted[i] else 0.0))[0]
-        if trial <= best * 1.0001:
-            break
-        tokens, best, ks[i] = tokens + 1, trial, ks[i] + 1
+        if trial <= best * 1.0001 and tokens + 1 > SMALL_STEP:
+            break  # on the line, an increment that does not pay is followed by smaller ones
+        tokens, ks[i] = tokens + 1, ks[i] + 1
         looked, by_draft = (looked, by_draft + more) if drafted[i] else (looked + more, by_draft)
-    return ks, best
+        if trial > best * 1.0001:  # small sizes are costed one by one: a dearer one may precede cheaper ones
+            best, best_ks = trial, ks[:]
+    return best_ks, best
 
 
 @dataclass

@@ -179,6 +179,29 @@ def test_cost_model_with_one_sequence_per_step_keeps_gamma_and_fits_the_line():
     assert m.gamma == 2.0 and m.beta == pytest.approx(0.5) and m.step_ms(4, 1) == pytest.approx(12.0)
 
 
+def test_small_steps_are_costed_from_their_own_observations_not_the_line():
+    """SmolLM2 on CPU: a decode 60 ms, a 3-token verification 90, a 256-token prompt chunk 393 (1.3 ms a
+    token on the line). The line prices the verification at 63 ms; the steps seen say 90."""
+    m = StepCostModel()
+    for n, ms in itertools.islice(itertools.cycle([(1, 60.0), (3, 90.0), (256, 60.0 + 1.3 * 256)]), 60):
+        m.observe(n, ms)
+    assert m.step_ms(1) == pytest.approx(60.0) and m.step_ms(3) == pytest.approx(90.0)
+    assert m.step_ms(200) == pytest.approx(m.alpha + m.beta * 200) and m.beta < 1.5
+    assert m.step_ms(5) == pytest.approx(m.alpha + m.beta * 5), "a size never seen: the line, until it is"
+    assert choose_k([0.2], [4], 0, m) == [0], "2 drafts at 0.2 emit 1.24 tokens for 1.5x the time"
+    line = StepCostModel(alpha=m.alpha, beta=m.beta)
+    assert choose_k([0.2], [4], 0, line) != [0], "priced by the line, the same drafts looked worth it"
+
+
+def test_a_dear_small_size_does_not_hide_cheaper_larger_ones():
+    """A BLAS that runs 2 rows as two passes but blocks 3-4: one draft costs more than three."""
+    m = StepCostModel()
+    for n, ms in itertools.islice(itertools.cycle([(1, 60.0), (2, 100.0), (3, 80.0), (4, 82.0), (5, 110.0)]), 50):
+        m.observe(n, ms)
+    # k=1: 1.5 / 100 < 1 / 60; k=2: 1.75 / 80; k=3: 1.875 / 82, the best; k=4: 1.94 / 110
+    assert choose_k([0.5], [4], 0, m) == [3]
+
+
 # ---- choosing k ----------------------------------------------------------------------------------
 def test_high_acceptance_and_a_small_batch_speculate_to_the_cap():
     assert choose_k([0.9], [4], 0, CPU) == [4]
