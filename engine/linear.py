@@ -2,10 +2,11 @@
 
 A BLAS may run a product with 2 or 3 input rows as that many matrix-vector passes, each streaming
 the whole weight from memory, and block it as a GEMM (one pass over the weight) only from 4 rows.
-Measured with MKL on an AVX2 AMD EPYC, one thread, over SmolLM2-135M's 121 linears: 1 row 36 ms,
-2 rows 66 ms, 3 rows 81 ms, 4 rows 50 ms. A target verifying k = 1 or 2 drafts for one sequence
-runs exactly such products, so its step cost twice a decode and speculation could not pay. Run
-them padded to 4 rows (zeros, dropped after) and they cost what 4 rows do.
+Measured with MKL on an AVX2 AMD EPYC, one thread, over SmolLM2-135M's layers (cold weights, as in
+a forward): 1 row 36 ms, 2 rows 64-68 ms, 3 rows 76-81 ms, 4 rows 49-68 ms. A target verifying
+k = 1 or 2 drafts for one sequence runs exactly such products, so its step cost up to twice a decode
+and speculation could not pay. Run them padded to 4 rows (zeros, dropped after) and they cost what
+4 rows do.
 
 Whether it pays is measured on the model's own weights when it loads (`calibrate`), never assumed:
 other CPUs and BLAS builds have no such step, and on a GPU the question does not arise.
