@@ -1,21 +1,30 @@
-"""The engine's linear layer, and a CPU quirk it works around.
+"""The engine's linear layer, and two CPU quirks it works around.
 
 A BLAS may run a product with 2 or 3 input rows as that many matrix-vector passes, each streaming
-the whole weight from memory, and block it as a GEMM (one pass over the weight) only from 4 rows.
-Measured with MKL on an AVX2 AMD EPYC, one thread, over SmolLM2-135M's layers (cold weights, as in
-a forward): 1 row 36 ms, 2 rows 64-68 ms, 3 rows 76-81 ms, 4 rows 49-68 ms. A target verifying
-k = 1 or 2 drafts for one sequence runs exactly such products, so its step cost up to twice a decode
-and speculation could not pay. Run them padded to 4 rows (zeros, dropped after) and they cost what
-4 rows do.
+the whole weight from memory, and block it as a GEMM (one pass over the weight) only from 4 rows;
+and its matrix-vector kernel may stream a row-major weight (nn.Linear's [out, in]) slower than a
+column-major one. Measured with MKL on an AVX2 AMD EPYC, one thread, SmolLM2-135M's 121 linears with
+cold weights, as in a forward:
 
-Whether it pays is measured on the model's own weights when it loads (`calibrate`), never assumed:
-other CPUs and BLAS builds have no such step, and on a GPU the question does not arise.
+    rows           1      2      3      4      8     64
+    row-major     47     80    109     71     80    301  ms
+    column-major  33     50     74     83     96    303  ms
+
+A decode is 1 row; a target verifying k = 1 or 2 drafts for one sequence runs 2-3, so it cost up to
+twice a decode and speculation could not pay. Each small row count therefore runs whichever way is
+fastest: as is, padded to 4 rows (zeros, dropped after), or against a column-major copy of the
+weight (kept only where some row count uses it: the linears' memory twice).
+
+Which way pays is measured on the model's own weights when it loads (`calibrate`), never assumed:
+other CPUs and BLAS builds have no such steps, and on a GPU the question does not arise.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,20 +33,34 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 PAD_TO = 4
-PAYS = 0.9  # padding must save 10% of the unpadded time: a smaller difference is timing noise
+PAYS = 0.9  # another way must save 10% of the time as is: a smaller difference is timing noise
 PAD_COST_MS = 0.01  # ... and more per layer than the padding itself costs (a cat and a slice: ~6 µs)
 
 
-class Linear(nn.Linear):
-    """nn.Linear that runs a 2-D input of `pad_rows` rows padded to PAD_TO rows."""
+@dataclass(frozen=True)
+class SmallProducts:
+    """How products of few rows run: `padded` row counts as PAD_TO rows, `by_columns` against the
+    column-major copy; every other row count as is."""
 
-    pad_rows: frozenset[int] = frozenset()  # set per module by calibrate()
+    padded: frozenset[int] = frozenset()
+    by_columns: frozenset[int] = frozenset()
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs 2-D inputs of few rows the way `small` says (set by calibrate())."""
+
+    small: SmallProducts = SmallProducts()
+    weight_t: torch.Tensor | None = None  # [in, out] contiguous: only while small.by_columns needs it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.dim() == 2 and rows in self.pad_rows:
-            padded = torch.cat([x, x.new_zeros(PAD_TO - rows, x.shape[1])])
-            return super().forward(padded)[:rows]
+        if x.dim() == 2:
+            rows = x.shape[0]
+            if rows in self.small.by_columns:
+                assert self.weight_t is not None
+                return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+            if rows in self.small.padded:
+                padded = torch.cat([x, x.new_zeros(PAD_TO - rows, x.shape[1])])
+                return super().forward(padded)[:rows]
         return super().forward(x)
 
 
@@ -45,38 +68,68 @@ def linears(model: nn.Module) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
 
-def pass_ms(layers: list[Linear], rows: int, repeats: int) -> float:
+def pass_ms(layers: list[Linear], rows: int, repeats: int, by_columns: bool = False) -> float:
     """Best-of-`repeats` time of one product of `rows` rows with every layer's weight, in model order:
     like a forward, each weight comes from memory, not from a cache warmed by the call before."""
     inputs = {f: torch.zeros(rows, f, device=layers[0].weight.device, dtype=layers[0].weight.dtype)
               for f in {layer.in_features for layer in layers}}
+    product: Callable[[Linear], torch.Tensor] = (
+        (lambda layer: torch.mm(inputs[layer.in_features], layer.weight_t)) if by_columns
+        else (lambda layer: F.linear(inputs[layer.in_features], layer.weight, layer.bias)))
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
             t0 = time.perf_counter()
             for layer in layers:
-                F.linear(inputs[layer.in_features], layer.weight, layer.bias)
+                product(layer)
             best = min(best, time.perf_counter() - t0)
     return best * 1e3
 
 
-def padded_rows(ms: dict[int, float], num_layers: int) -> frozenset[int]:
-    """The row counts below PAD_TO whose products (ms[rows], over all layers) clearly cost more than
-    PAD_TO rows do."""
-    return frozenset(rows for rows in range(2, PAD_TO)
-                     if ms[PAD_TO] < PAYS * ms[rows] and ms[rows] - ms[PAD_TO] > PAD_COST_MS * num_layers)
+def choose(row_major: dict[int, float], column_major: dict[int, float], num_layers: int) -> SmallProducts:
+    """Per row count 1..PAD_TO, the fastest way to run it (ms over all layers), where it clearly beats as is."""
+    padded, by_columns = set(), set()
+    for rows, as_is in row_major.items():
+        ways = {"columns": column_major[rows]} | ({"padded": row_major[PAD_TO]} if rows < PAD_TO else {})
+        way, ms = min(ways.items(), key=lambda w: w[1])
+        if ms < PAYS * as_is and as_is - ms > PAD_COST_MS * num_layers:
+            (padded if way == "padded" else by_columns).add(rows)
+    return SmallProducts(frozenset(padded), frozenset(by_columns))
 
 
-def calibrate(model: nn.Module, repeats: int = 3) -> frozenset[int]:
-    """Measure, on a CPU, which row counts below PAD_TO run faster padded; set them on every layer."""
+def calibrate(model: nn.Module, repeats: int = 3) -> SmallProducts:
+    """Measure, on a CPU, how products of 1..PAD_TO rows run fastest; set it on every layer. Call it
+    once the weights are final: the column-major copies are taken here."""
     layers = linears(model)
     if not layers or layers[0].weight.device.type != "cpu":
-        return frozenset()
-    ms = {rows: pass_ms(layers, rows, repeats) for rows in range(1, PAD_TO + 1)}
-    pad = padded_rows(ms, len(layers))
-    for layer in layers:
-        layer.pad_rows = pad
-    log.info("CPU products of %s rows: %s ms over the model's %d linears -> %s",
-             "/".join(map(str, ms)), "/".join(f"{v:.1f}" for v in ms.values()), len(layers),
-             f"{', '.join(map(str, sorted(pad)))} rows run padded to {PAD_TO}" if pad else "no padding")
-    return pad
+        return SmallProducts()
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight_t = layer.weight.t().contiguous()
+    counts = range(1, PAD_TO + 1)
+    row_major = {rows: pass_ms(layers, rows, repeats) for rows in counts}
+    column_major = {rows: pass_ms(layers, rows, repeats, by_columns=True) for rows in counts}
+    small = choose(row_major, column_major, len(layers))
+    use(layers, small)
+    copies = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers) if small.by_columns else 0
+    log.info("CPU products of 1/2/3/4 rows over the model's %d linears: row-major %s ms, column-major %s ms -> "
+             "padded to %d: %s; column-major: %s%s", len(layers),
+             "/".join(f"{row_major[r]:.1f}" for r in counts), "/".join(f"{column_major[r]:.1f}" for r in counts),
+             PAD_TO, _rows(small.padded), _rows(small.by_columns),
+             f" (a {copies / 2**20:.0f} MiB copy of the weights)" if copies else "")
+    return small
+
+
+def use(layers: list[Linear], small: SmallProducts) -> None:
+    """Run these layers' small products as `small` says, with column-major copies where it needs them."""
+    with torch.no_grad():
+        for layer in layers:
+            layer.small = small
+            if not small.by_columns:
+                layer.weight_t = None
+            elif layer.weight_t is None:
+                layer.weight_t = layer.weight.t().contiguous()
+
+
+def _rows(rows: frozenset[int]) -> str:
+    return ", ".join(map(str, sorted(rows))) or "none"

@@ -1,4 +1,5 @@
-"""Small products padded to four rows where the CPU's BLAS runs 2-3 rows slower than 4 (engine/linear.py)."""
+"""Products of few rows on CPU run the fastest measured way: as is, padded to four rows, or against a
+column-major copy of the weight (engine/linear.py)."""
 
 from __future__ import annotations
 
@@ -7,45 +8,55 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineConfig, ModelRunner, SeqInput
-from engine.linear import PAD_TO, Linear, calibrate, linears, padded_rows
+from engine.linear import PAD_TO, Linear, SmallProducts, calibrate, choose, linears, use
 from tests.conftest import hf_logits
 
 ATOL = 1e-4
 
 
-def test_padded_rows_run_as_four_and_come_back_row_for_row(monkeypatch):
-    torch.manual_seed(0)
-    layer = Linear(16, 8, bias=True)
-    layer.pad_rows = frozenset({2, 3})
+@pytest.fixture
+def seen_rows(monkeypatch) -> list[int]:
+    """The row counts F.linear (the row-major way) is called with."""
     seen: list[int] = []
     real = F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
+    return seen
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_each_way_gives_the_plain_product_row_for_row(seen_rows, bias):
+    torch.manual_seed(0)
+    layer = Linear(16, 8, bias=bias)
+    use([layer], SmallProducts(padded=frozenset({3}), by_columns=frozenset({1, 2})))
     for rows in (1, 2, 3, 4, 5):
         x = torch.randn(rows, 16)
-        torch.testing.assert_close(layer(x), real(x, layer.weight, layer.bias), atol=1e-6, rtol=0)
-    assert seen == [1, PAD_TO, PAD_TO, 4, 5]
+        want = x @ layer.weight.T + (layer.bias if bias else 0)
+        torch.testing.assert_close(layer(x), want, atol=1e-6, rtol=0)
+    assert seen_rows == [PAD_TO, 4, 5], "1 and 2 rows column-major, 3 padded, 4 and 5 as is"
 
 
-def test_without_pad_rows_nothing_is_padded(monkeypatch):
+def test_as_is_by_default_and_for_inputs_that_are_not_rows(seen_rows):
     layer = Linear(16, 8, bias=False)
-    seen: list[int] = []
-    real = F.linear
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
     layer(torch.randn(3, 16))
-    layer(torch.randn(2, 5, 16))  # not a flat batch of rows: never padded
-    assert seen == [3, 2]
+    use([layer], SmallProducts(padded=frozenset({2, 3})))
+    layer(torch.randn(2, 5, 16))  # not a flat batch of rows
+    assert seen_rows == [3, 2]
+    assert layer.weight_t is None, "no column-major copy where no row count uses it"
 
 
-@pytest.mark.parametrize("ms, layers, expected", [
-    ({1: 36.0, 2: 66.0, 3: 81.0, 4: 50.0}, 121, {2, 3}),  # MKL, AVX2 EPYC: 3 rows read the weight 3 times
-    ({1: 4.1, 2: 7.6, 3: 11.5, 4: 6.0}, 9, {2, 3}),
-    ({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}, 121, set()),  # a BLAS that blocks small products: nothing to gain
-    ({1: 36.0, 2: 40.0, 3: 81.0, 4: 50.0}, 121, {3}),
-    ({1: 0.10, 2: 0.12, 3: 0.14, 4: 0.11}, 5, set()),  # 6 µs a layer: about what the padding costs
-    ({1: 36.0, 2: 54.0, 3: 54.0, 4: 50.0}, 121, set()),  # within timing noise
+MKL_AMD_ROWS = {1: 47.0, 2: 80.0, 3: 109.0, 4: 71.0}  # SmolLM2's 121 linears, AVX2 EPYC
+MKL_AMD_COLUMNS = {1: 33.0, 2: 50.0, 3: 74.0, 4: 83.0}
+
+
+@pytest.mark.parametrize("rows, columns, layers, padded, by_columns", [
+    (MKL_AMD_ROWS, MKL_AMD_COLUMNS, 121, {3}, {1, 2}),
+    (MKL_AMD_ROWS, {r: 2 * ms for r, ms in MKL_AMD_ROWS.items()}, 121, {2, 3}, set()),
+    ({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}, {1: 10.5, 2: 11.5, 3: 12.5, 4: 13.5}, 121, set(), set()),  # nothing to gain
+    ({1: 36.0, 2: 54.0, 3: 54.0, 4: 50.0}, {1: 36.0, 2: 54.0, 3: 54.0, 4: 50.0}, 121, set(), set()),  # within noise
+    ({1: 0.10, 2: 0.12, 3: 0.14, 4: 0.11}, {1: 0.08, 2: 0.1, 3: 0.1, 4: 0.1}, 5, set(), set()),  # 6 µs a layer
 ])
-def test_padding_only_where_four_rows_clearly_cost_less(ms, layers, expected):
-    assert padded_rows(ms, layers) == frozenset(expected)
+def test_each_row_count_runs_the_way_that_clearly_costs_least(rows, columns, layers, padded, by_columns):
+    assert choose(rows, columns, layers) == SmallProducts(frozenset(padded), frozenset(by_columns))
 
 
 def test_calibrate_gives_every_layer_of_a_model_the_same_choice(hf_checkpoint):
@@ -53,19 +64,21 @@ def test_calibrate_gives_every_layer_of_a_model_the_same_choice(hf_checkpoint):
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
     layers = linears(runner.model)
     assert len(layers) == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the head
-    chosen = calibrate(runner.model, repeats=1)
-    assert chosen <= frozenset({2, 3})
-    assert all(layer.pad_rows == chosen for layer in layers)
+    small = calibrate(runner.model, repeats=1)
+    assert small.padded <= frozenset({2, 3}) and small.by_columns <= frozenset({1, 2, 3, 4})
+    assert all(layer.small == small for layer in layers)
+    assert all((layer.weight_t is not None) == bool(small.by_columns) for layer in layers)
 
 
-@pytest.mark.parametrize("q_len", [2, 3])
-def test_padded_verification_matches_transformers(hf_checkpoint, q_len):
-    """A one-sequence verification of k = 1 or 2 drafts, every product padded: the logits are
-    transformers' own, whatever the calibration on this machine chose."""
+@pytest.mark.parametrize("small", [SmallProducts(padded=frozenset({2, 3})),
+                                   SmallProducts(by_columns=frozenset({1, 2, 3}))], ids=["padded", "columns"])
+@pytest.mark.parametrize("q_len", [1, 2, 3])
+def test_decodes_and_verifications_match_transformers_either_way(hf_checkpoint, small, q_len):
+    """One sequence decoding, or verifying k = 1 or 2 drafts, every small product run one way: the
+    logits are transformers' own, whatever the calibration on this machine chose."""
     _, model_dir = hf_checkpoint
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
-    for layer in linears(runner.model):
-        layer.pad_rows = frozenset({2, 3})
+    use(linears(runner.model), small)
     seq = torch.randint(0, 97, (21 + q_len,), generator=torch.Generator().manual_seed(q_len)).tolist()
     runner.forward([SeqInput(1, 0, seq[:21], num_logits=0)])
     [logits] = runner.forward([SeqInput(1, 21, seq[21:], num_logits=q_len)])
