@@ -190,6 +190,7 @@ class RouterEngine:
         if waiting >= self.config.max_waiting * len(self.lanes):
             raise Overloaded(f"{waiting} requests waiting; try again later")
         lane = choose_lane(lanes) or lanes[0]
+        assert lane.loop is not None, "a lane is listed once its loop runs"
         eos = tuple(self.target_info.eos_token_ids) if self.target_info else ()
         grammar = self.grammars.compile(req.constraint) if req.constraint is not None else ""
         req = dataclasses.replace(req, eos_ids=eos, grammar=grammar)
@@ -201,7 +202,9 @@ class RouterEngine:
                            num_prompt=len(req.prompt_ids), output=OutputBuilder(self.codec.tokenizer, choice, set(eos),
                                                                                 max_tokens, i),
                            lane=lane, outputs=queue, index=i, fork_parent=seqs[0] if seqs else None,
-                           grammar=self.grammars.state(grammar) if grammar else None)
+                           grammar=self.grammars.state(grammar) if grammar else None,
+                           tracker=lane.loop.spec.draft_acceptance.tracker(),
+                           lookup_tracker=lane.loop.spec.lookup_acceptance.tracker())
             if seqs:
                 seqs[0].forks.append(seq)
             seqs.append(seq)

@@ -266,8 +266,9 @@ class StepLoop:
             self._emit(seq, list(res.tokens), logprobs_of(res))
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
             k = len(drafts)
-            tracker = seq.lookup_tracker if seq.seq_id in self.spec.from_lookup else seq.tracker
-            tracker.update(k, res.num_accepted)
+            by_lookup = seq.seq_id in self.spec.from_lookup
+            (seq.lookup_tracker if by_lookup else seq.tracker).update(k, res.num_accepted)
+            (self.spec.lookup_acceptance if by_lookup else self.spec.draft_acceptance).observe(k, res.num_accepted)
             seq.stats.verified(k, res.num_accepted)
             if k:
                 self.metrics.num_drafts.inc()

@@ -12,6 +12,7 @@ from router.core import Sequence
 from router.drafting import DraftLane, DraftWork
 from router.scheduler import Scheduler, StepPlan
 from router.spec_policy import (
+    AcceptancePool,
     BranchCost,
     Contention,
     DraftCost,
@@ -44,6 +45,8 @@ class Speculator:
         self.branch_cost = BranchCost()
         self.wait_odds = Odds()  # how often a wait for the draft saw its call arrive (grace_ms)
         self.match_odds = Odds()  # how often a decoder's prepared branches held its outcome (hit vs wrong)
+        self.draft_acceptance = AcceptancePool()  # new sequences' priors, for the draft's proposals
+        self.lookup_acceptance = AcceptancePool()  # ... and for prompt lookup's
         self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
         self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)

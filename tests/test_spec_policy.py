@@ -108,6 +108,26 @@ def test_tracker_drifts_back_to_the_prior_while_not_speculating(accepted):
     assert dist[1] > 0.9 * far, "the drift is slow: one idle step is not evidence"
 
 
+
+def test_a_new_sequence_starts_from_the_pooled_acceptance_not_a_fixed_prior():
+    """A pair whose drafts are rarely accepted: after the pool has seen it, a new sequence's first
+    estimate is the pool's, so it does not speculate at 0.7 for its first steps."""
+    from router.spec_policy import AcceptancePool
+
+    pool = AcceptancePool()
+    assert pool.tracker().rate == pytest.approx(0.7), "nothing seen: the optimistic prior"
+    for _ in range(60):
+        pool.observe(4, 1)  # the second draft rejected: 1 accepted of 2 positions tried
+        pool.observe(4, 0)  # the first: 0 of 1
+        pool.observe(0, 0)  # a step without drafts says nothing about them
+    assert pool.tracker().rate == pytest.approx(1 / 3, abs=0.02)
+    for _ in range(200):
+        pool.observe(4, 0)
+    assert pool.tracker().rate < 0.05
+    assert AcceptanceTracker.starting_at(0.2).rate == pytest.approx(0.2)
+    assert choose_k([AcceptanceTracker().rate], [4], 0, CPU) != [0]
+    assert choose_k([pool.tracker().rate], [4], 0, CPU) == [0]
+
 # ---- step cost model ----------------------------------------------------------------------------
 def test_cost_model_recovers_alpha_and_beta_from_exact_observations():
     m = StepCostModel()
