@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import EngineConfig, ModelRunner, SeqInput
+from engine import EngineConfig, ModelRunner, SeqInput, linear
 from engine.linear import PAD_TO, Linear, SmallProducts, calibrate, choose, linears, use
 from tests.conftest import hf_logits
 
@@ -68,6 +68,32 @@ def test_calibrate_gives_every_layer_of_a_model_the_same_choice(hf_checkpoint):
     assert small.padded <= frozenset({2, 3}) and small.by_columns <= frozenset({1, 2, 3, 4})
     assert all(layer.small == small for layer in layers)
     assert all((layer.weight_t is not None) == bool(small.by_columns) for layer in layers)
+
+
+@pytest.mark.parametrize("cache, tried", [(1, True), (10**12, False), (0, False)],
+                         ids=["streamed", "cached", "unknown"])
+def test_column_major_is_tried_only_for_linears_far_larger_than_the_cache(hf_checkpoint, monkeypatch, cache, tried):
+    """Near the cache's size a second copy of the weights evicts the first: never tried there, nor
+    where the cache's size is unknown."""
+    _, model_dir = hf_checkpoint
+    runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
+    timed: list[bool] = []
+    real = linear.pass_ms
+    monkeypatch.setattr(linear, "pass_ms", lambda layers, rows, repeats, by_columns=False:
+                        timed.append(by_columns) or real(layers, rows, repeats, by_columns))
+    monkeypatch.setattr(linear, "largest_cache_bytes", lambda: cache)
+    small = calibrate(runner.model, repeats=1)
+    assert any(timed) == tried
+    if not tried:
+        assert not small.by_columns and all(layer.weight_t is None for layer in linears(runner.model))
+
+
+def test_the_largest_cache_is_read_from_sysfs(tmp_path):
+    for index, size in enumerate(["32K", "64K", "1024K", "32768K", "?"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert linear.largest_cache_bytes(tmp_path) == 32 * 2**20
+    assert linear.largest_cache_bytes(tmp_path / "missing") == 0
 
 
 @pytest.mark.parametrize("small", [SmallProducts(padded=frozenset({2, 3})),
