@@ -119,7 +119,7 @@ class ModelRunner:
         load_weights(model, model_dir)
         model.model.rotary.build(device)  # float32 tables: not weights, so not in the checkpoint
         model.eval()
-        calibrate(model)  # CPU only: which small products run faster padded (engine/linear.py)
+        calibrate(model)  # CPU only: how small products run fastest (padded, column-major; engine/linear.py)
         runner = cls(model, config, model_dir)
         if config.cuda_graphs and (runner.backend.name == "flash-attn" or runner.max_model_len <= _SDPA_GRAPH_MAX_LEN):
             runner.use_graphs()

@@ -287,11 +287,12 @@ def _fill(rates: list[float], caps: list[int], drafted: list[bool], depth: int, 
     best_ks = ks[:]
     for _, more, i in increments:
         trial = goodput(tokens + 1, looked + (0.0 if drafted[i] else more), by_draft + (more if drafted[i] else 0.0))[0]
-        if trial <= best * 1.0001 and tokens + 1 > SMALL_STEP:
+        pays = trial > best * 1.0001
+        if not pays and tokens + 1 > SMALL_STEP:
             break  # on the line, an increment that does not pay is followed by smaller ones
         tokens, ks[i] = tokens + 1, ks[i] + 1
         looked, by_draft = (looked, by_draft + more) if drafted[i] else (looked + more, by_draft)
-        if trial > best * 1.0001:  # small sizes are costed one by one: a dearer one may precede cheaper ones
+        if pays:  # small sizes are costed one by one: a dearer one may precede cheaper ones
             best, best_ks = trial, ks[:]
     return best_ks, best
 

@@ -108,7 +108,6 @@ def test_tracker_drifts_back_to_the_prior_while_not_speculating(accepted):
     assert dist[1] > 0.9 * far, "the drift is slow: one idle step is not evidence"
 
 
-
 def test_a_new_sequence_starts_from_the_pooled_acceptance_not_a_fixed_prior():
     """A pair whose drafts are rarely accepted: after the pool has seen it, a new sequence's first
     estimate is the pool's, so it does not speculate at 0.7 for its first steps."""
@@ -127,6 +126,7 @@ def test_a_new_sequence_starts_from_the_pooled_acceptance_not_a_fixed_prior():
     assert AcceptanceTracker.starting_at(0.2).rate == pytest.approx(0.2)
     assert choose_k([AcceptanceTracker().rate], [4], 0, CPU) != [0]
     assert choose_k([pool.tracker().rate], [4], 0, CPU) == [0]
+
 
 # ---- step cost model ----------------------------------------------------------------------------
 def test_cost_model_recovers_alpha_and_beta_from_exact_observations():
