@@ -11,18 +11,9 @@ from router.config import RouterConfig
 from router.core import Sequence
 from router.drafting import DraftLane, DraftWork
 from router.scheduler import Scheduler, StepPlan
-from router.spec_policy import (
-    AcceptancePool,
-    BranchCost,
-    Contention,
-    DraftCost,
-    Odds,
-    StepCostModel,
-    choose_k,
-    expected_tokens,
-    worth_waiting_ms,
-)
+from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens, worth_waiting_ms
 from router.speculation import Candidate, Proposal, best_proposal, plan_branches, prune
+from router.step_costs import BranchCost, Contention, DraftCost, StepCostModel
 from tandem.v1 import common_pb2
 
 PROBE_EVERY = 32  # steps between draft-idle probes of the target's slowdown while the draft works
