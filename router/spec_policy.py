@@ -31,16 +31,19 @@ def expected_tokens(a: float, k: int) -> float:
 
 @dataclass
 class AcceptanceTracker:
-    """Decayed counts of draft positions tried and accepted; prior 0.7 worth two trials."""
+    """Decayed counts of draft positions tried and accepted; prior 0.7 worth two trials. A sequence
+    not speculating drifts back toward `prior` (2% a step) so that it gets another try."""
 
     accepted: float = 1.4
     tried: float = 2.0
     decay: float = 0.9
+    prior: float = 0.7
+    drift: float = 0.02
 
     @classmethod
     def starting_at(cls, rate: float) -> AcceptanceTracker:
         """A new sequence's tracker with `rate` as its prior (the pool's, AcceptancePool), worth two trials."""
-        return cls(accepted=2.0 * rate, tried=2.0)
+        return cls(accepted=2.0 * rate, tried=2.0, prior=rate)
 
     @property
     def rate(self) -> float:
@@ -48,9 +51,8 @@ class AcceptanceTracker:
 
     def update(self, k: int, num_accepted: int) -> None:
         if k == 0:
-            # drift back toward the prior so a sequence that stopped speculating gets another try
-            self.accepted = 0.98 * self.accepted + 0.02 * 0.7
-            self.tried = 0.98 * self.tried + 0.02
+            self.accepted = (1.0 - self.drift) * self.accepted + self.drift * self.prior
+            self.tried = (1.0 - self.drift) * self.tried + self.drift
             return
         trials = num_accepted + (1 if num_accepted < k else 0)  # positions up to the first rejection
         self.accepted = self.decay * self.accepted + num_accepted
@@ -60,15 +62,19 @@ class AcceptanceTracker:
 @dataclass
 class AcceptancePool:
     """Every sequence's verifications of one kind of proposal (the draft's, prompt lookup's), pooled: the
-    prior a new sequence starts from. A fixed optimistic prior made every request of a pair whose
-    drafts are rarely accepted speculate at 0.7 for its first steps: SmolLM2's 2-layer draft (served
-    acceptance 0.2-0.3) cost (6) 8% of (1)'s tokens/s at c=1 that way once decodes got cheaper."""
+    prior a new sequence starts from, and what one that stopped speculating drifts back to. A fixed
+    optimistic prior made every request of a pair whose drafts are rarely accepted speculate at 0.7
+    for its first steps, and again whenever its estimate had drifted back up: SmolLM2's 2-layer
+    draft (served acceptance 0.2-0.3) cost (6) 8% of (1)'s tokens/s at c=1 that way.
+    Steps without speculation are no evidence, but the pool drifts back to the optimistic prior on
+    them, over a few thousand sequence-steps (a sequence: a few dozen): were its rate too low for
+    any k to pay, nothing would speculate to correct it, and a server would never speculate again
+    (a new workload, a better draft behind the same address)."""
 
-    pooled: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(decay=0.98))
+    pooled: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(decay=0.98, drift=0.002))
 
     def observe(self, k: int, num_accepted: int) -> None:
-        if k > 0:  # k = 0 is no evidence (a sequence's own tracker drifts then; the pool does not)
-            self.pooled.update(k, num_accepted)
+        self.pooled.update(k, num_accepted)
 
     def tracker(self) -> AcceptanceTracker:
         return AcceptanceTracker.starting_at(self.pooled.rate)

@@ -110,7 +110,7 @@ def test_a_new_sequence_starts_from_the_pooled_acceptance_not_a_fixed_prior():
     for _ in range(60):
         pool.observe(4, 1)  # the second draft rejected: 1 accepted of 2 positions tried
         pool.observe(4, 0)  # the first: 0 of 1
-        pool.observe(0, 0)  # a step without drafts says nothing about them
+        pool.observe(0, 0)  # a step without drafts is hardly evidence (see the pool's slow drift below)
     assert pool.tracker().rate == pytest.approx(1 / 3, abs=0.02)
     for _ in range(200):
         pool.observe(4, 0)
@@ -118,6 +118,49 @@ def test_a_new_sequence_starts_from_the_pooled_acceptance_not_a_fixed_prior():
     assert AcceptanceTracker.starting_at(0.2).rate == pytest.approx(0.2)
     assert choose_k([AcceptanceTracker().rate], [4], 0, CPU) != [0]
     assert choose_k([pool.tracker().rate], [4], 0, CPU) == [0]
+
+
+def test_a_sequence_that_stopped_speculating_drifts_back_to_the_pool_s_rate_not_to_an_optimistic_one():
+    """Where drafts are rarely accepted, a sequence held at k = 0 must not talk itself back into
+    speculating every few dozen steps (each retry a dearer step, and a draft catching up on tokens it
+    skipped): it drifts back to what the pool has measured, which does not pay."""
+    from router.spec_policy import AcceptancePool
+
+    smollm2 = StepCostModel()  # its target on CPU after engine/linear.py: 1-5 tokens' forwards, ms
+    for n, ms in itertools.islice(itertools.cycle([(1, 45.0), (2, 70.0), (3, 85.0), (4, 90.0), (5, 115.0)]), 50):
+        smollm2.observe(n, ms)
+    pool = AcceptancePool()
+    for _ in range(200):
+        pool.observe(4, 0 if _ % 3 else 1)
+    pooled = pool.tracker().rate
+    assert 0.2 < pooled < 0.35
+    seq, fixed = pool.tracker(), AcceptanceTracker()
+    for t in (seq, fixed):
+        for _ in range(10):
+            t.update(4, 0)
+        assert choose_k([t.rate], [4], 0, smollm2) == [0]
+        for _ in range(400):
+            t.update(0, 0)
+    assert seq.rate == pytest.approx(pooled, abs=0.01) and choose_k([seq.rate], [4], 0, smollm2) == [0]
+    assert fixed.rate == pytest.approx(0.7, abs=0.01) and choose_k([fixed.rate], [4], 0, smollm2) != [0]
+
+
+def test_the_pool_drifts_back_to_the_optimistic_prior_without_evidence_so_speculation_is_never_off_for_good():
+    """Held at k = 0 by a low pooled rate, no sequence would speculate to correct it: the pool drifts
+    back to 0.7 on steps without drafts, slowly (thousands of sequence-steps, not dozens)."""
+    from router.spec_policy import AcceptancePool
+
+    pool = AcceptancePool()
+    for _ in range(300):
+        pool.observe(4, 0)
+    low = pool.tracker().rate
+    assert low < 0.05 and choose_k([low], [4], 0, CPU) == [0]
+    for _ in range(100):
+        pool.observe(0, 0)
+    assert pool.tracker().rate < low + 0.1, "slow: a hundred idle sequence-steps barely move it"
+    for _ in range(3000):
+        pool.observe(0, 0)
+    assert pool.tracker().rate > 0.6 and choose_k([pool.tracker().rate], [4], 0, CPU) != [0]
 
 
 # ---- choosing k ----------------------------------------------------------------------------------
