@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.spec_policy import AcceptanceTracker, Odds, choose_k, expected_tokens, worth_waiting_ms
+from router.spec_policy import AcceptancePool, AcceptanceTracker, Odds, choose_k, expected_tokens, worth_waiting_ms
 from router.step_costs import DraftCost, StepCostModel
 
 CPU = StepCostModel(alpha=10.0, beta=1.2)  # compute-bound: every scored token costs (the module's prior)
@@ -103,8 +103,6 @@ def test_tracker_drifts_back_to_the_prior_while_not_speculating(accepted):
 def test_a_new_sequence_starts_from_the_pooled_acceptance_not_a_fixed_prior():
     """A pair whose drafts are rarely accepted: after the pool has seen it, a new sequence's first
     estimate is the pool's, so it does not speculate at 0.7 for its first steps."""
-    from router.spec_policy import AcceptancePool
-
     pool = AcceptancePool()
     assert pool.tracker().rate == pytest.approx(0.7), "nothing seen: the optimistic prior"
     for _ in range(60):
@@ -124,14 +122,12 @@ def test_a_sequence_that_stopped_speculating_drifts_back_to_the_pool_s_rate_not_
     """Where drafts are rarely accepted, a sequence held at k = 0 must not talk itself back into
     speculating every few dozen steps (each retry a dearer step, and a draft catching up on tokens it
     skipped): it drifts back to what the pool has measured, which does not pay."""
-    from router.spec_policy import AcceptancePool
-
     smollm2 = StepCostModel()  # its target on CPU after engine/linear.py: 1-5 tokens' forwards, ms
     for n, ms in itertools.islice(itertools.cycle([(1, 45.0), (2, 70.0), (3, 85.0), (4, 90.0), (5, 115.0)]), 50):
         smollm2.observe(n, ms)
     pool = AcceptancePool()
-    for _ in range(200):
-        pool.observe(4, 0 if _ % 3 else 1)
+    for i in range(200):
+        pool.observe(4, 0 if i % 3 else 1)
     pooled = pool.tracker().rate
     assert 0.2 < pooled < 0.35
     seq, fixed = pool.tracker(), AcceptanceTracker()
@@ -148,8 +144,6 @@ def test_a_sequence_that_stopped_speculating_drifts_back_to_the_pool_s_rate_not_
 def test_the_pool_drifts_back_to_the_optimistic_prior_without_evidence_so_speculation_is_never_off_for_good():
     """Held at k = 0 by a low pooled rate, no sequence would speculate to correct it: the pool drifts
     back to 0.7 on steps without drafts, slowly (thousands of sequence-steps, not dozens)."""
-    from router.spec_policy import AcceptancePool
-
     pool = AcceptancePool()
     for _ in range(300):
         pool.observe(4, 0)
@@ -353,7 +347,6 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
     it prepares for both, so a sequence can switch back to it."""
     from router.core import GREEDY, Request, Sequence
     from router.scheduler import StepPlan
-    from router.spec_policy import AcceptanceTracker
 
     def seq(seq_id: int) -> Sequence:
         req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8)
@@ -414,7 +407,6 @@ def _late_decoder(spec, acceptance: float = 0.9):
 
     from router.core import GREEDY, Request, SeqStatus, Sequence
     from router.drafting import DraftWork
-    from router.spec_policy import AcceptanceTracker
     from tandem.v1 import draft_pb2
 
     req = Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=64)
