@@ -1,5 +1,6 @@
 """The anchor a user would pick on one device: transformers `generate(assistant_model=draft)` on the
-same pair, greedy, one request at a time. It runs as its own process after the last stack of a
+same pair, greedy, one request at a time, on the device and in the dtype the services use (CUDA and
+bfloat16 where there is a GPU, else CPU and float32). It runs as its own process after the last stack of a
 mode has stopped, under that mode's pinning:
 
     python -m bench.anchor --models DIR --prompts IN.json --out OUT.json [--threads N]
@@ -33,6 +34,7 @@ def serve_all(models: Path, prompts: list[Prompt], on_done: Callable[[RequestRes
     import transformers
     from transformers.generation.streamers import BaseStreamer
 
+    from engine.config import EngineConfig
     from model_zoo.hf_draft import load_causal_lm
 
     class Clock(BaseStreamer):
@@ -55,7 +57,10 @@ def serve_all(models: Path, prompts: list[Prompt], on_done: Callable[[RequestRes
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    target, draft = load_causal_lm(models / "target"), load_causal_lm(models / "draft")
+    where = EngineConfig()  # the device and dtype the bench's services resolve ("auto"): same work, same numbers
+    device, dtype = where.resolved_device(), where.resolved_dtype()
+    target = load_causal_lm(models / "target", dtype).to(device)
+    draft = load_causal_lm(models / "draft", dtype).to(device)
     gc = target.generation_config
     eos = gc.eos_token_id[0] if isinstance(gc.eos_token_id, list) else gc.eos_token_id
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos if eos is not None else 0)
@@ -64,7 +69,7 @@ def serve_all(models: Path, prompts: list[Prompt], on_done: Callable[[RequestRes
     @torch.inference_mode()
     def run(p: Prompt) -> RequestResult:
         res = RequestResult(p.pid, 0.0)
-        ids = torch.tensor([p.ids])
+        ids = torch.tensor([p.ids], device=device)
         t0 = time.perf_counter()
         target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
                         streamer=Clock(t0, res), **kwargs)

@@ -40,9 +40,26 @@ def test_two_tokens_scoring_the_best_logit_are_a_tie(tied):
 def test_a_token_far_below_the_best_is_a_mismatch_and_so_is_an_answer_that_ended(tied):
     path, best, _, worst = tied
     far, ended = judge(path, [Divergence(tuple(PROMPT), (), best, worst), Divergence(tuple(PROMPT), (), best, None)])
-    assert not far.tie and far.below_best_a == 0.0 and far.below_best_b > TIE_GAP
+    assert not far.tie and far.below_best_a == 0.0 and far.below_best_b > max(TIE_GAP.values())
     assert far.describe().startswith("MISMATCH")
     assert not ended.tie
+
+
+def test_the_gap_allowed_is_the_rounding_of_the_dtype_both_answers_were_computed_in(tmp_path):
+    """A token 0.01 below the best: a mismatch between two float32 engines, rounding in bfloat16."""
+    path = write_checkpoint(LlamaConfig(**SMALL, tie_word_embeddings=False), tmp_path, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0, -1]
+    best, near = logits.argsort(descending=True)[:2].tolist()
+    assert logits[best] > 0
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"][near] = weights["lm_head.weight"][best] * (1 - 0.01 / logits[best].item())
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    d = Divergence(tuple(PROMPT), (), best, near)
+    (fp32,), (bf16,) = judge(path, [d], computed_in="float32"), judge(path, [d], computed_in="bfloat16")
+    assert fp32.below_best_b == pytest.approx(0.01, rel=0.05)
+    assert not fp32.tie and bf16.tie
 
 
 def test_the_position_judged_is_after_the_common_prefix_of_the_two_answers(tied):
