@@ -213,16 +213,19 @@ class StepLoop:
                 receiving.cancel()
 
     def _may_chain(self, plan: StepPlan, launched: bool) -> bool:
-        """Whether the step after plan's may be chained behind it (launched: the draft has a call for its outcomes)."""
+        """Whether the step after plan's may be chained behind it: the draft has a call for its outcomes
+        (launched), or it would decode every sequence at k = 0 anyway (Speculator.plain_next_step): then
+        the router's work between two steps overlaps the target's, as in a target-only router."""
         if not (self.config.pipeline and self.config.chain_steps and self.tracer is None):
             return False
         if self.faults.suspects or not chainable(plan, self.scheduler.running, bool(self.scheduler.waiting)) \
                 or not self.scheduler.fits_ahead():
             self._unchained.labels(reason="plan").inc()
             return False
-        if not launched:
-            self._unchained.labels(reason="no_draft_call").inc()
-        return launched
+        if launched or self.spec.plain_next_step([s for s, _ in plan.decodes]):
+            return True
+        self._unchained.labels(reason="no_draft_call").inc()
+        return False
 
     async def _chain(self, plan: StepPlan, sent: list[list[int]]) -> None:
         """Send the step after plan's, each sequence's proposals keyed by plan's outcome (router.chain)."""

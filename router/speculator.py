@@ -103,6 +103,8 @@ class Speculator:
     def chain_ks(self, decoders: list[Sequence]) -> list[int]:
         """k per decoder for a step chained behind the one running (router.chain): the policy's wish,
         from the draft (lookup's guesses need the outcome, which only the target knows yet)."""
+        if not self.draft.up:
+            return [0] * len(decoders)
         caps = [self.cap(s) for s in decoders]
         if not self.config.dynamic_k:
             return caps
@@ -112,6 +114,12 @@ class Speculator:
         for i, k in zip(dyn, ks, strict=True):
             caps[i] = k
         return caps
+
+    def plain_next_step(self, decoders: list[Sequence]) -> bool:
+        """Whether the step after this one would run every decoder at k = 0 whatever this one emits: the
+        policy drafts for none of them (chain_ks) and prompt lookup has nothing for any (its proposals
+        are made after the outcome; a history that has no match now rarely has one a token later)."""
+        return not any(self.lookup(s)[0] for s in decoders) and not any(self.chain_ks(decoders))
 
     def _dynamic_k(self, decoders: list[Sequence], caps: list[int], dyn: list[int], by_lookup: list[bool],
                    prefill_tokens: int, draft_cost: DraftCost | None = None) -> list[int]:

@@ -6,7 +6,7 @@ router books the same one; a chained entry is refused where it cannot be resolve
 two steps sent back to back decode exactly as transformers does, and a failed step takes the step
 chained behind it along without harming the stream that follows; through the whole stack, chained
 decoding matches transformers, greedy and sampled requests complete, and a target restart while
-steps are chained loses nothing."""
+steps are chained loses nothing; a router without a draft chains its k = 0 decode steps too."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from router.speculation import Prepared
 from tandem.v1 import common_pb2, target_pb2
 from target_service.chaining import remember, resolve_chained
 from tests.conftest import SMALL, hf_greedy, write_checkpoint
-from tests.stack import REALISTIC_STEP_S, complete, running_stack, start_target, wait_until
+from tests.stack import REALISTIC_STEP_S, complete, running_stack, start_router, start_target, wait_until
 from tests.test_router_integration import metric, prompts
 
 T = TypeVar("T")
@@ -228,6 +228,26 @@ def test_chained_decoding_matches_transformers(stack, caplog):
     assert metric(router.url, "tandem:pipeline_hits_total") > 0  # chained steps verify the draft's branches
     # a sequence that finished at a step with one chained behind it is released after that one ran
     assert not [r for r in caplog.records if "lost the cache" in r.getMessage() or r.levelname == "ERROR"]
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_router_without_a_draft_chains_its_k_0_decode_steps_and_decodes_as_transformers(model_pair, lookup):
+    """With no draft and no lookup match, a decode step runs at k = 0 whatever the one before emits:
+    the router sends it before that one's answer (its own work between steps then overlaps the
+    target's), and the answer is still transformers'. Where lookup finds a match the next step waits
+    for the outcome (lookup proposes after it)."""
+    target_dir, _ = model_pair
+    target, _ = start_target(target_dir, step_delay_s=REALISTIC_STEP_S)
+    router = start_router(RouterConfig(prompt_lookup=lookup), target.address, None, target_dir)
+    try:
+        for p in prompts(3)[:2]:
+            assert complete(router.url, p, 40)["choices"][0]["token_ids"] == hf_greedy(target_dir, p, 40)
+        if not lookup:
+            chained = metric(router.url, "tandem:chained_steps_total")
+            assert chained >= 60, f"{chained} of ~78 decode steps chained"
+    finally:
+        router.stop()
+        target.stop()
 
 
 def test_each_step_is_timed_from_where_the_one_before_ended(stack, monkeypatch):

@@ -481,3 +481,28 @@ def test_a_draft_call_due_later_than_its_proposals_are_worth_is_not_waited_for()
     slow.branch_cost.a = 100.0  # a call costs ten target steps
     _late_decoder(slow)
     assert slow.grace_ms() == 0
+
+
+def test_the_next_step_is_plain_only_where_no_decoder_would_take_drafts_whatever_this_one_emits():
+    """The step loop sends the next step before this one's answer (chained, at k = 0) when it would
+    decode every sequence at k = 0 anyway: the policy drafts for none of them and prompt lookup has
+    nothing for any. A sequence whose drafts are worth their cost, or whose history repeats (lookup
+    has an offer), keeps its step unchained: its proposals need this step's outcome."""
+    from router.core import GREEDY, Request, Sequence
+
+    def seq(seq_id: int, tokens: list[int], acceptance: float) -> Sequence:
+        req = Request(request_id=f"r{seq_id}", prompt_ids=tokens[:3], sampling=GREEDY, max_tokens=64)
+        s = Sequence(seq_id=seq_id, request=req, tokens=tokens, num_prompt=3)
+        s.tracker = AcceptanceTracker(accepted=10 * acceptance, tried=10)
+        return s
+
+    spec = _speculator("host/cpu/1")
+    hopeless = seq(1, [11, 12, 13, 14, 15, 16], acceptance=0.02)
+    assert spec.plain_next_step([hopeless])
+    repeating = seq(2, [11, 12, 13, 14, 11, 12], acceptance=0.02)  # lookup: what followed "11 12" before
+    assert spec.lookup(repeating)[0][:2] == [13, 14]
+    assert not spec.plain_next_step([hopeless, repeating])
+    promising = seq(3, [21, 22, 23, 24, 25, 26], acceptance=0.9)
+    assert not spec.plain_next_step([hopeless, promising])
+    spec.draft.up = False  # no draft and no lookup match: nothing to speculate with
+    assert spec.plain_next_step([hopeless, promising])
