@@ -10,7 +10,8 @@ what is left of the budget (a step that no longer fits is reported as not run):
   2. sampling and acceptance on CUDA give the CPU's tokens              tests/test_device_agreement.py
   3. CUDA graphs replayed give the eager logits (float32, bfloat16)     tests/test_cuda_graphs.py
      (+ the attention choice, and tensor parallelism over NCCL when 2 GPUs are present)
-  4. `make bench BENCH_ARGS=--quick` on each model pair present (models/demo, models/smollm2, models/tiny), as
+  4. where a target step's time goes (model on the device vs host), python -m bench.step_profile
+  5. `make bench BENCH_ARGS=--quick` on each model pair present (models/demo, models/smollm2, models/tiny), as
      `python -m bench --quick --models PAIR` so that an absent pair is skipped, never built
 Exit 0 when every step that ran passed.
 """
@@ -37,6 +38,7 @@ PYTEST_STEPS = [
     ("CUDA graphs vs eager, tensor parallel (NCCL, 2+ GPUs)",
      ["tests/test_cuda_graphs.py", "tests/test_tensor_parallel.py", "-m", "cuda or device"], 120),
 ]
+PROFILE_S = 90  # bench.step_profile: two loads of the target, 4 x 45 steps each
 BENCH_S = 300  # --quick: ~3 min on 2 CPU cores; 3.6 min on an H200 machine before its anchor (2026-12-04)
 
 
@@ -115,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *targets]
         results.append(run(name, cmd, min(cap, deadline - time.monotonic())))
         print(f"  {results[-1].status:8} {name}: {results[-1].summary}", flush=True)
+    for pair in PAIRS:  # where a target step's time goes: the model on the GPU, or the host around it
+        if (ROOT / pair / "target" / "config.json").is_file():
+            name = f"step profile of {pair}/target"
+            cmd = [PY, "-m", "bench.step_profile", "--model", str(ROOT / pair / "target")]
+            results.append(run(name, cmd, min(PROFILE_S, deadline - time.monotonic())))
+            print(f"  {results[-1].status:8} {name}", flush=True)
     for pair in PAIRS:
         name = f"make bench BENCH_ARGS=--quick on {pair}"
         if not (ROOT / pair / "target" / "config.json").is_file():

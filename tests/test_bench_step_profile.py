@@ -1,0 +1,21 @@
+"""bench/step_profile.py: one target step's time split into nested parts, each measured around the
+one inside it, so they must nest (step >= forward_ms >= runner >= model > 0) for every batch size
+and k; on CPU nothing is replayed from a graph."""
+
+from __future__ import annotations
+
+from transformers import LlamaConfig
+
+from bench.step_profile import HEADER, profile
+from tests.conftest import SMALL, write_checkpoint
+
+
+def test_the_parts_of_a_step_nest_for_every_batch_and_k(tmp_path):
+    model = write_checkpoint(LlamaConfig(**SMALL), tmp_path, seed=1)
+    rows = profile(str(model), "cpu", eager=True, batches=[1, 3], ks=[0, 2], steps=3)
+    assert [(r.batch, r.k) for r in rows] == [(1, 0), (1, 2), (3, 0), (3, 2)]
+    for r in rows:
+        assert r.step_ms >= r.forward_ms >= r.runner_ms >= r.model_ms > 0, r
+        assert r.host_ms == r.step_ms - r.model_ms
+        assert r.path == "eager" and r.replayed == 0
+        assert r.row().count("|") == HEADER.splitlines()[0].count("|")
