@@ -7,58 +7,26 @@ All model work (validation against cache state included) runs on the ModelWorker
 
 from __future__ import annotations
 
-import math
 import time
-import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import grpc
 import torch
 
-from common.protocol import MAX_LOGPROBS
-from common.sampling import InvalidField
 from common.tracing import Tracing
-from engine.logits import Context, Processors, TokenHistory
-from engine.runner import CacheMiss, InvalidInput, ModelRunner, SeqInput
+from engine.logits import Context, TokenHistory
+from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import logprobs_of
-from engine.service import ModelWorker, call_deadline, rpc_errors, sampling_spec, still_wanted
+from engine.service import ModelWorker, call_deadline, rpc_errors, still_wanted
 from engine.streams import CallStreams, request_deadline
 from engine.transfer import to_lists
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.acceptance import (
-    DEFAULT_TYPICAL_DELTA,
-    DEFAULT_TYPICAL_EPSILON,
-    Rule,
-    SparseDist,
-    Verification,
-    accept,
-)
+from target_service.acceptance import Verification, accept
 from target_service.chaining import Chain, remember, resolve_chained
+from target_service.parsing import Entry, StepParser
 
 SERVICE_NAME = "tandem.v1.TargetService"
-_SUM_TOLERANCE = 1e-4  # a sparse q may sum to 1 + float32 rounding
-
-
-@dataclass(frozen=True)
-class _Entry:
-    seq: SeqInput
-    emit: bool
-    k: int
-    verification: Verification | None  # None when emit is false
-    logprobs: int  # -1: none
-    processors: Processors | None = None
-    masks: tuple[bytes, ...] = ()
-    fork_of: int = 0
-
-    @property
-    def sibling(self) -> bool:
-        """n choices: a fork sampled from its parent's last logits in this step (no tokens of its own)."""
-        return not self.seq.tokens
-
-    @property
-    def needs_history(self) -> bool:
-        return self.processors is not None and self.processors.penalized
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -72,6 +40,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.history = TokenHistory()  # token ids of sequences with penalties (engine/logits.py)
         self.streams = CallStreams()  # the open StepStreams
         self._chains: dict[int, Chain] = {}  # per open StepStream: what its last step emitted (chained steps)
+        self.parser = StepParser(self.runner.model_config.vocab_size, self.runner.max_model_len,
+                                 worker.max_draft_tokens)
         worker.on_release.append(self.history.release)
 
     # ---- RPCs -----------------------------------------------------------------------------
@@ -123,7 +93,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
              chain: Chain | None = None) -> target_pb2.StepResponse:
         """chain: the stream's record of its last step (None for a unary Step, which cannot chain)."""
         chosen = resolve_chained(request, chain)
-        entries = self.parse(request)
+        entries = self.parser.parse(request)
         if self.fail_on_token >= 0 and any(e.seq.start_pos == 0 and e.seq.tokens[0] == self.fail_on_token
                                            for e in entries):
             raise RuntimeError(f"injected fault: a sequence starts with token {self.fail_on_token}")
@@ -162,7 +132,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.StepResponse(results=results, forward_ms=(time.perf_counter() - t0) * 1e3,
                                        free_blocks=runner.blocks.num_free)
 
-    def _check_siblings(self, entries: list[_Entry]) -> dict[int, int]:
+    def _check_siblings(self, entries: list[Entry]) -> dict[int, int]:
         """Sibling entry -> its parent's entry, all checked (capacity of the forks included) before anything changes."""
         if not any(e.sibling for e in entries):
             return {}
@@ -183,7 +153,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.runner.blocks.check_capacity(resize, extra=partial)
         return siblings
 
-    def _mirror(self, entries: list[_Entry]) -> None:
+    def _mirror(self, entries: list[Entry]) -> None:
         """Keep the token history of sequences with penalties (a gap means the service lost it: recompute)."""
         missing = [e.seq.seq_id for e in entries if e.needs_history and not e.sibling
                    and not self.history.covers(e.seq.seq_id, e.seq.start_pos)]
@@ -193,7 +163,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if e.needs_history and not e.sibling:
                 self.history.put(e.seq.seq_id, e.seq.start_pos, e.seq.tokens)
 
-    def _judged(self, e: _Entry) -> Verification:
+    def _judged(self, e: Entry) -> Verification:
         v = e.verification
         assert v is not None
         if e.processors is None and not e.masks:
@@ -201,7 +171,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         history = self.history.get(e.seq.seq_id, v.position) if e.needs_history else ()
         return replace(v, context=Context(e.processors, history, v.draft, e.masks, v.position))
 
-    def _add_logprobs(self, entries: list[_Entry], logits: list[torch.Tensor], emitting: list[int],
+    def _add_logprobs(self, entries: list[Entry], logits: list[torch.Tensor], emitting: list[int],
                       emitted: list[list[int]], results: list[target_pb2.EntryResult]) -> None:
         """Raw-distribution logprobs of the emitted tokens: one logprobs_of call for the batch."""
         wanted = [(n, toks) for n, toks in zip(emitting, emitted, strict=True) if entries[n].logprobs >= 0]
@@ -219,115 +189,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 results[n].logprobs.append(common_pb2.TokenLogprob(
                     token_id=t, logprob=chosen_l[row], top_token_ids=ids_l[row][:m], top_logprobs=lp_l[row][:m]))
                 row += 1
-
-    # ---- validation (no side effects) -----------------------------------------------------
-    def parse(self, request: target_pb2.StepRequest) -> list[_Entry]:
-        """The request as engine inputs, or InvalidInput naming the first bad field.
-        Cache state, capacity, duplicates and token ids are checked by runner.forward before it
-        changes anything; everything only the target knows about is checked here."""
-        if not request.entries:
-            raise InvalidInput("entries", "empty batch")
-        return [self._parse_entry(n, e) for n, e in enumerate(request.entries)]
-
-    def _parse_entry(self, n: int, e: target_pb2.StepEntry) -> _Entry:
-        where = f"entries[{n}]"
-        tokens = list(e.tokens)
-        k = e.num_draft_tokens
-        if not tokens and not (e.fork_of and e.emit and not k):
-            raise InvalidInput(f"{where}.tokens", "must not be empty (but in fork_of's sibling form)")
-        field_k = f"{where}.num_draft_tokens"
-        if not e.emit and k:
-            raise InvalidInput(field_k, f"{k} draft tokens with emit = false: nothing would judge them")
-        if k > self.worker.max_draft_tokens:
-            raise InvalidInput(field_k, f"{k} exceeds max_draft_tokens {self.worker.max_draft_tokens}")
-        if k >= len(tokens) and tokens:
-            raise InvalidInput(field_k, f"{k} draft tokens need {k + 1} tokens (the last emitted one first), "
-                                        f"got {len(tokens)}")
-        max_len = self.runner.max_model_len
-        if e.emit and e.start_pos + len(tokens) >= max_len:
-            raise InvalidInput(f"{where}.start_pos", f"{e.start_pos} + {len(tokens)} tokens leaves no room under "
-                                                     f"max_model_len {max_len} for the emitted token")
-        if not -1 <= e.logprobs <= MAX_LOGPROBS:
-            raise InvalidInput(f"{where}.logprobs", f"must be -1 (none) or in [0, {MAX_LOGPROBS}], got {e.logprobs}")
-        seq = SeqInput(e.seq_id, e.start_pos, tokens, num_logits=k + 1 if e.emit else 0,
-                       prefix=list(e.prefix_block_hashes))
-        processors = self._processors(e, where)
-        if e.token_masks and (not e.emit or len(e.token_masks) != k + 1):
-            raise InvalidInput(f"{where}.token_masks", f"{len(e.token_masks)} masks: an emitting entry needs one per "
-                                                       f"decided position ({k + 1})")
-        try:
-            masks = tuple(zlib.decompress(m) for m in e.token_masks)
-        except zlib.error as err:
-            raise InvalidInput(f"{where}.token_masks", f"not a zlib-compressed bitmask: {err}") from None
-        if any(not m.strip(b"\0") for m in masks):
-            raise InvalidInput(f"{where}.token_masks", "a mask allows no token at all")
-        if not e.emit:
-            return _Entry(seq, False, 0, None, -1, processors, fork_of=e.fork_of)
-        spec = sampling_spec(e.sampling, f"{where}.sampling")
-        rule = self._rule(e.sampling, f"{where}.sampling")
-        draft = tokens[len(tokens) - k:]
-        dists = self._draft_dists(e, draft, where)
-        if rule == Rule.STRICT and not spec.greedy and k and not dists:
-            raise InvalidInput(f"{where}.draft_probs", f"strict sampling (temperature > 0) needs the draft's "
-                                                       f"distribution at each of the {k} draft positions")
-        eps, delta = self._typical_params(e.sampling, f"{where}.sampling")
-        verification = Verification(draft=draft, spec=spec, position=e.start_pos + len(tokens) - k,
-                                    draft_dists=dists, rule=rule, typical_epsilon=eps, typical_delta=delta)
-        return _Entry(seq, True, k, verification, e.logprobs, processors, masks, e.fork_of)
-
-    def _processors(self, e: target_pb2.StepEntry, where: str) -> Processors | None:
-        try:
-            p = Processors.from_proto(e.sampling, e.prompt_len)
-        except InvalidField as err:
-            raise InvalidInput(f"{where}.sampling.{err.field}", str(err).split(": ", 1)[-1]) from None
-        vocab = self.runner.model_config.vocab_size
-        if p is not None and any(not 0 <= t < vocab for t in [t for t, _ in p.bias] + list(p.held_back)):
-            raise InvalidInput(f"{where}.sampling", f"logit_bias and stop_token_ids ids must be in [0, {vocab})")
-        return p
-
-    @staticmethod
-    def _rule(params: common_pb2.SamplingParams, field: str) -> Rule:
-        try:
-            return Rule(params.acceptance)
-        except ValueError:
-            raise InvalidInput(f"{field}.acceptance", f"unknown acceptance rule {params.acceptance}") from None
-
-    @staticmethod
-    def _typical_params(params: common_pb2.SamplingParams, field: str) -> tuple[float, float]:
-        eps = params.typical_epsilon or DEFAULT_TYPICAL_EPSILON
-        delta = params.typical_delta or DEFAULT_TYPICAL_DELTA
-        if not 0.0 < eps <= 1.0:
-            raise InvalidInput(f"{field}.typical_epsilon", f"must be in (0, 1] (0 = default), got {eps}")
-        if not (0.0 < delta and math.isfinite(delta)):
-            raise InvalidInput(f"{field}.typical_delta", f"must be > 0 (0 = default), got {delta}")
-        return eps, delta
-
-    def _draft_dists(self, e: target_pb2.StepEntry, draft: list[int], where: str) -> list[SparseDist]:
-        """The draft's sparse q per draft position; [] when none were sent (greedy, typical)."""
-        if not e.draft_probs:
-            return []
-        if len(e.draft_probs) != len(draft):
-            raise InvalidInput(f"{where}.draft_probs",
-                               f"{len(e.draft_probs)} distributions for {len(draft)} draft tokens")
-        vocab = self.runner.model_config.vocab_size
-        dists = []
-        for i, (d, token) in enumerate(zip(e.draft_probs, draft, strict=True)):
-            field = f"{where}.draft_probs[{i}]"
-            ids, probs = list(d.token_ids), list(d.probs)
-            if len(ids) != len(probs):
-                raise InvalidInput(field, f"{len(ids)} token_ids but {len(probs)} probs")
-            if any(not 0 <= t < vocab for t in ids):
-                raise InvalidInput(f"{field}.token_ids", f"token id outside [0, {vocab})")
-            if len(set(ids)) != len(ids):
-                raise InvalidInput(f"{field}.token_ids", "ids must be distinct")
-            if any(not 0.0 <= p <= 1.0 for p in probs):  # NaN fails too
-                raise InvalidInput(f"{field}.probs", "each probability must be in [0, 1]")
-            if sum(probs) > 1.0 + _SUM_TOLERANCE:
-                raise InvalidInput(f"{field}.probs", f"sum {sum(probs):.6f} exceeds 1")
-            if token not in ids or probs[ids.index(token)] <= 0.0:
-                raise InvalidInput(field, f"draft token {token} has no probability in its own distribution")
-            dists.append(SparseDist(ids, probs))
-        return dists
 
 
 def _tokens(request: target_pb2.StepRequest) -> int:
