@@ -6,11 +6,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.checked import CheckedOnce
 from common.sampling import InvalidField
 from common.tracing import Tracing
 from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N, BranchSpec, DraftRequest, Proposer, SparseQ
 from engine.logits import Processors
 from engine.runner import InvalidInput, ModelRunner, SeqInput
+from engine.sampling import SamplingSpec
 from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
 from engine.streams import CallStreams, request_deadline
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -29,6 +31,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.worker.on_release.append(self.proposer.constraints.release)
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
         self.streams = CallStreams()  # the open ProposeStreams
+        self._sampling = CheckedOnce(_check_sampling)  # a sequence's SamplingParams, checked once
 
     @rpc_errors
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
@@ -85,14 +88,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _propose(self, request: draft_pb2.ProposeRequest, deadline: float | None) -> draft_pb2.ProposeResponse:
         still_wanted(deadline)
-        requests = [
-            DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k,
-                         sampling_spec(e.sampling, f"entries[{n}].sampling"), e.num_verifying,
-                         [BranchSpec(b.accepted, b.rank) for b in e.branches],
-                         _processors(e, f"entries[{n}].sampling"), e.grammar, e.prompt_len, e.fork_of,
-                         list(e.prefix_block_hashes))
-            for n, e in enumerate(request.entries)
-        ]
+        requests = []
+        for n, e in enumerate(request.entries):
+            spec, processors = self._sampling.get((e.sampling.SerializeToString(deterministic=True), e.prompt_len),
+                                                  e, f"entries[{n}].sampling")
+            requests.append(DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k, spec, e.num_verifying,
+                                         [BranchSpec(b.accepted, b.rank) for b in e.branches], processors, e.grammar,
+                                         e.prompt_len, e.fork_of, list(e.prefix_block_hashes)))
         out = self.proposer.propose(requests)
         return draft_pb2.ProposeResponse(
             proposals=[
@@ -112,9 +114,11 @@ def _tokens(request: draft_pb2.ProposeRequest) -> int:
     return sum(len(e.tokens) + e.k * (1 + len(e.branches)) for e in request.entries)
 
 
-def _processors(e: draft_pb2.ProposeEntry, field: str) -> Processors | None:
+def _check_sampling(e: draft_pb2.ProposeEntry, field: str) -> tuple[SamplingSpec, Processors | None]:
+    """What e.sampling samples with (checked once per distinct message: DraftServicer._sampling)."""
+    spec = sampling_spec(e.sampling, field)
     try:
-        return Processors.from_proto(e.sampling, e.prompt_len)
+        return spec, Processors.from_proto(e.sampling, e.prompt_len)
     except InvalidField as err:
         raise InvalidInput(f"{field}.{err.field}", str(err).split(": ", 1)[-1]) from None
 

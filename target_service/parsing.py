@@ -3,8 +3,8 @@ field only the target can judge is checked here; cache state, capacity, duplicat
 are checked by ModelRunner.forward before it changes anything.
 
 A sequence sends the same SamplingParams on every step, so its checked form (processors, sampling
-spec, acceptance rule) is kept per distinct message: on a 16-sequence step of the demo target that
-was most of the service's own time around the model (bench.step_profile).
+spec, acceptance rule) is kept per distinct message (common/checked.py): on a 16-sequence step of
+the demo target that was most of the service's own time around the model (bench.step_profile).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
+from common.checked import CheckedOnce
 from common.protocol import MAX_LOGPROBS
 from common.sampling import InvalidField
 from engine.logits import Processors
@@ -23,7 +24,6 @@ from tandem.v1 import common_pb2, target_pb2
 from target_service.acceptance import DEFAULT_TYPICAL_DELTA, DEFAULT_TYPICAL_EPSILON, Rule, SparseDist, Verification
 
 _SUM_TOLERANCE = 1e-4  # a sparse q may sum to 1 + float32 rounding
-_KEPT = 4096  # distinct SamplingParams messages remembered (each a few hundred bytes)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class StepParser:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_draft_tokens = max_draft_tokens
-        self._checked: dict[tuple[bytes, int, bool], _Sampling] = {}
+        self._checked = CheckedOnce(self._check_sampling)
 
     def parse(self, request: target_pb2.StepRequest) -> list[Entry]:
         """The request as engine inputs, or InvalidInput naming the first bad field."""
@@ -115,15 +115,9 @@ class StepParser:
         return Entry(seq, True, k, verification, e.logprobs, sampling.processors, masks, e.fork_of)
 
     def _sampling(self, e: target_pb2.StepEntry, where: str) -> _Sampling:
-        """e.sampling checked (as far as the entry uses it), from the cache when this message was seen."""
+        """e.sampling checked (as far as the entry uses it), once per distinct message."""
         key = (e.sampling.SerializeToString(deterministic=True), e.prompt_len, e.emit)
-        checked = self._checked.get(key)
-        if checked is None:
-            checked = self._check_sampling(e, where)
-            if len(self._checked) >= _KEPT:
-                self._checked.clear()
-            self._checked[key] = checked
-        return checked
+        return self._checked.get(key, e, where)
 
     def _check_sampling(self, e: target_pb2.StepEntry, where: str) -> _Sampling:
         try:
