@@ -64,8 +64,8 @@ def test_calibrate_gives_every_layer_of_a_model_the_same_choice(hf_checkpoint):
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
     layers = linears(runner.model)
     assert len(layers) == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the head
-    small = calibrate(runner.model, repeats=1)
-    assert small.padded <= frozenset({2, 3}) and small.by_columns <= frozenset({1, 2, 3, 4})
+    small = calibrate(runner.model, repeats=1)  # which counts it picks is timing (one repeat: noisy under load)
+    assert small.padded <= frozenset({1, 2, 3}) and small.by_columns <= frozenset({1, 2, 3, 4})
     assert all(layer.small == small for layer in layers)
     assert all((layer.weight_t is not None) == bool(small.by_columns) for layer in layers)
 
