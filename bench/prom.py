@@ -61,6 +61,8 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
         # misses as shares of lookups: late = nothing prepared for the outcome yet, wrong = no branch matched
         "pipeline_miss_late": _ratio(_get(d, "tandem:pipeline_misses_total", reason="late"), lookups),
         "pipeline_miss_wrong": _ratio(_get(d, "tandem:pipeline_misses_total", reason="wrong"), lookups),
+        # steps sent behind the one running (router.chain): their round trip overlapped the target's forward
+        "chained_share": _ratio(_get(d, "tandem:chained_steps_total"), steps),
         "pipeline_waits_per_step": _ratio(_get(d, "tandem:pipeline_waits_total"), steps),
         "pipeline_waits_arrived": _ratio(_get(d, "tandem:pipeline_waits_total", outcome="arrived"),
                                          _get(d, "tandem:pipeline_waits_total")),

@@ -188,8 +188,9 @@ def test_prom_derive_splits_misses_and_router_share() -> None:
          (f"{st}_sum", (("part", "router"),)): 0.01, (f"{st}_sum", (("part", "draft"),)): 0.0,
          ("tandem:pipeline_lookups_total", ()): 20.0, ("tandem:pipeline_hits_total", ()): 15.0,
          ("tandem:pipeline_misses_total", (("reason", "late"),)): 4.0,
-         ("tandem:pipeline_misses_total", (("reason", "wrong"),)): 1.0}
+         ("tandem:pipeline_misses_total", (("reason", "wrong"),)): 1.0, ("tandem:chained_steps_total", ()): 4.0}
     e = prom.derive(d, wall=1.0)
+    assert e["chained_share"] == 0.4
     assert e["pipeline_hit_rate"] == 0.75 and e["pipeline_miss_late"] == 0.2 and e["pipeline_miss_wrong"] == 0.05
     assert e["target_ms_per_step"] == pytest.approx(20.0) and e["router_over_target"] == pytest.approx(0.05)
 
