@@ -70,3 +70,10 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
         "preemptions": _get(d, "tandem:num_preemptions_total"),
         "generation_tokens": _get(d, "tandem:generation_tokens_total"),
     }
+
+
+def gauges(after: Samples) -> dict[str, float]:
+    """What the speculation policy decided from at the end of a load (gauges: their values, not deltas)."""
+    return {"draft_slowdown": _get(after, "tandem:draft_slowdown"),
+            "pooled_acceptance_draft": _get(after, "tandem:spec_decode_pooled_acceptance", proposer="draft"),
+            "pooled_acceptance_lookup": _get(after, "tandem:spec_decode_pooled_acceptance", proposer="lookup")}

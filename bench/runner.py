@@ -85,7 +85,8 @@ def run_config(cfg: Config, s: Settings, model_name: str, loads: list[tuple[Load
                 results, wall = asyncio.run(run_load(stack.url, model_name, load, requests, rate, arrivals, on_done))
                 after = prom.scrape(stack.url)
                 summary = summarize(results, wall)
-                summary["engine"] = prom.derive(prom.delta(before, after), wall)
+                engine = prom.derive(prom.delta(before, after), wall)
+                summary["engine"] = engine | prom.gauges(after) if cfg.draft else engine
                 if load.kind == "open":
                     summary["rate_req_s"] = rate
                 runs.append(LoadRun(load, results, summary, itl_samples(results)))

@@ -15,7 +15,6 @@ after step t, and the loop books both a step behind.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -33,8 +32,9 @@ from router.metrics import Metrics
 from router.request_stats import about, dispatched
 from router.scheduler import Scheduler, StepPlan
 from router.speculator import Speculator
-from router.step_entries import logprobs_of, step_entries
+from router.step_entries import step_entries
 from router.step_faults import StepFaults
+from router.step_results import StepResults
 from tandem.v1 import target_pb2
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class StepLoop:
         self.draft = draft
         self.metrics = metrics
         self.spec = Speculator(config, scheduler, draft, max_model_len, target_max_k, target_compute)
-        self._emit = emit
+        self.results = StepResults(self.spec, metrics, emit)
         self.faults = StepFaults(scheduler, metrics, fail, on_target_lost)
         draft.on_done = wake
         self.steps = 0
@@ -65,8 +65,10 @@ class StepLoop:
         self._answered_at = 0.0  # perf_counter() when the target's last answer came
         self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
         self._busy = metrics.target_busy.labels(replica=target.address)
+        self._slowdown = metrics.draft_slowdown.labels(replica=target.address)
+        self._pooled = {kind: metrics.pooled_acceptance.labels(replica=target.address, proposer=kind)
+                        for kind in ("draft", "lookup")}
         self._unchained = metrics.unchained_steps
-        self._accepted_at = functools.cache(lambda pos: metrics.accepted_per_pos.labels(position=str(pos)))
         self.tracer = config.tracer
 
     # ---- one iteration ---------------------------------------------------------------------------
@@ -164,7 +166,7 @@ class StepLoop:
 
     def _launch_draft(self, plan: StepPlan, sent: list[list[int]], trace: StepTrace | None) -> bool:
         """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle."""
-        if not (self.draft.up and self.draft.idle) or self.spec.rests_draft(plan, self.steps):
+        if not (self.draft.up and self.draft.idle) or self.spec.pacing.rests(plan, self.steps):
             return False
         self.draft.launch(lambda: self.spec.step_work(plan, sent), trace)  # planned while the Step is sent
         return True
@@ -256,49 +258,12 @@ class StepLoop:
         return (time.perf_counter() - t0) * 1000
 
     # ---- results -------------------------------------------------------------------------------
-    def _apply(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse) -> None:
-        results = list(response.results)
-        siblings = plan.siblings
-        assert len(results) == len(plan.decodes) + len(plan.chunks) + len(siblings)
-        for seq, res in zip(siblings, results[len(results) - len(siblings):], strict=True):
-            self.metrics.forked_sequences.inc()
-            if seq.finished:
-                continue
-            seq.target_cached = res.cached_len
-            self.spec.observe_outcome(seq, 0, 0, res.tokens[-1])
-            self._emit(seq, list(res.tokens), logprobs_of(res))
-        for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
-            k = len(drafts)
-            by_lookup = seq.seq_id in self.spec.from_lookup
-            (seq.lookup_tracker if by_lookup else seq.tracker).update(k, res.num_accepted)
-            (self.spec.lookup_acceptance if by_lookup else self.spec.draft_acceptance).observe(k, res.num_accepted)
-            seq.stats.verified(k, res.num_accepted)
-            if k:
-                self.metrics.num_drafts.inc()
-                self.metrics.num_draft_tokens.inc(k)
-                self.metrics.num_accepted.inc(res.num_accepted)
-                for pos in range(res.num_accepted):
-                    self._accepted_at(pos).inc()
-            self.metrics.emitted_per_step.observe(len(res.tokens))
-            if seq.finished:
-                continue
-            self.spec.observe_outcome(seq, k, res.num_accepted, res.tokens[-1])
-            seq.target_cached = res.cached_len
-            self._emit(seq, list(res.tokens), logprobs_of(res))
-        for c, res in zip(plan.chunks, results[len(plan.decodes):len(results) - len(siblings)], strict=True):
-            if c.seq.finished:
-                continue
-            c.seq.target_cached = res.cached_len
-            if c.emit:
-                self.spec.observe_outcome(c.seq, 0, 0, res.tokens[-1])
-                self._emit(c.seq, list(res.tokens), logprobs_of(res))
-
     def _done(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse, draft_ms: float,
               t_start: float, t_target: float, trace: StepTrace | None) -> None:
         target_wall_ms = (self._answered_at - t_target) * 1000
         draft_busy = self.draft.busy_since(t_target)  # worked alongside this step: the target may run slower
-        self._apply(plan, sent, response)
-        self._count_outcomes(plan)
+        self.results.apply(plan, sent, response)
+        self.results.count_outcomes(plan, self.draft.up)
         if trace is not None:
             trace.end(plan, sent, response, self.spec, self.draft.up)
         if self._chained is not None:  # the target runs it now: the draft's work for its outcomes goes first
@@ -310,27 +275,12 @@ class StepLoop:
         self.steps += 1
         tokens = plan.num_tokens
         self.spec.observe_step(plan, target_wall_ms, draft_busy)  # wall time, RPC included: like the draft's
+        self._slowdown.set(self.spec.pacing.contention.factor)
+        self._pooled["draft"].set(self.spec.draft_acceptance.pooled.rate)
+        self._pooled["lookup"].set(self.spec.lookup_acceptance.pooled.rate)
         self.metrics.step_tokens.observe(tokens)
         total_ms = (time.perf_counter() - t_start) * 1000
         self._parts["target"].observe(response.forward_ms / 1000)
         self._busy.inc(response.forward_ms / 1000)
         self._parts["draft"].observe(draft_ms / 1000)
         self._parts["router"].observe(max(0.0, total_ms - response.forward_ms - draft_ms) / 1000)
-
-    def _count_outcomes(self, plan: StepPlan) -> None:
-        """Where this step's proposals came from: lookup, or the pipeline (hit, late or wrong)."""
-        if self.spec.from_lookup:
-            self.metrics.lookup_proposals.inc(len(self.spec.from_lookup))
-        if self.draft.up:
-            for seq, _ in plan.decodes:
-                outcome = self.spec.pipeline_outcome(seq)
-                if outcome is None:
-                    continue
-                self.metrics.pipeline_lookups.inc()
-                if outcome != "late":
-                    self.spec.match_odds.observe(outcome == "hit")
-                if outcome == "hit":
-                    self.metrics.pipeline_hits.inc()
-                else:
-                    self.metrics.pipeline_misses.labels(reason=outcome).inc()
-                seq.stats.pipeline[outcome] += 1

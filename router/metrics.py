@@ -71,6 +71,13 @@ class Metrics:
                                      "history", registry=r)
         self.draft_fallbacks = Counter("tandem:draft_fallbacks", "Steps run at k = 0 because the draft was "
                                        "down, failing or late", ["reason"], registry=r)
+        self.draft_slowdown = Gauge("tandem:draft_slowdown", "How much slower the target's steps run while a "
+                                    "pipelined draft works beside them (busy over idle steps, each against the "
+                                    "step-cost model; 1 until both were seen): what the speculation policy charges "
+                                    "drafts for, per replica", ["replica"], registry=r)
+        self.pooled_acceptance = Gauge("tandem:spec_decode_pooled_acceptance", "Per-token acceptance pooled over "
+                                       "sequences, by proposer (draft, lookup): a new sequence's prior, per replica",
+                                       ["replica", "proposer"], registry=r)
         self.draft_up = Gauge("tandem:draft_available", "1 when every configured draft replica is in use",
                               registry=r)
         self.target_up = Gauge("tandem:target_available", "1 when at least one target replica answers", registry=r)

@@ -10,28 +10,24 @@ from dataclasses import replace
 from router.config import RouterConfig
 from router.core import Sequence
 from router.drafting import DraftLane, DraftWork
+from router.pacing import DraftPacing
 from router.scheduler import Scheduler, StepPlan
 from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens, worth_waiting_ms
 from router.speculation import Candidate, Proposal, best_proposal, plan_branches, prune
-from router.step_costs import BranchCost, Contention, DraftCost, StepCostModel
+from router.step_costs import BranchCost, DraftCost, StepCostModel
 from tandem.v1 import common_pb2
-
-PROBE_EVERY = 32  # steps between draft-idle probes of the target's slowdown while the draft works
-SLOWS_TARGET = 1.05  # a measured slowdown above this is contention, not noise
-QUIET_PROBES = 8  # a draft that does not slow the target is probed this many times less often
 
 
 class Speculator:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, draft: DraftLane, max_model_len: int,
                  target_max_k: int, target_compute: str = "") -> None:
         self.config = config
-        self.target_compute = target_compute  # ModelInfo.compute_id of the target
         self.k_max = min(config.k_max, target_max_k)  # the target's limit clamps the router's (lanes.py logs it)
         self.scheduler = scheduler
         self.draft = draft
         self.max_model_len = max_model_len
         self.cost = StepCostModel()  # the target's step time with the draft idle; observe_step feeds it
-        self.contention = Contention()  # ... and how much slower it runs while the draft works
+        self.pacing = DraftPacing(config.pipeline, draft, target_compute)  # ... and how much slower it runs
         self.draft_cost = DraftCost(pipelined=config.pipeline)
         self.branch_cost = BranchCost()
         self.wait_odds = Odds()  # how often a wait for the draft saw its call arrive (grace_ms)
@@ -184,7 +180,7 @@ class Speculator:
                 tokens += with_draft
         if gain == 0:
             return 0.0
-        step_ms = self.cost.step_ms(len(decoders) + drafted, len(decoders)) * self.contention.factor
+        step_ms = self.cost.step_ms(len(decoders) + drafted, len(decoders)) * self.pacing.contention.factor
         limit = worth_waiting_ms(step_ms, tokens, gain, self.wait_odds.rate)
         elapsed = (time.perf_counter() - self.draft.started) * 1000
         expected = self.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
@@ -194,29 +190,6 @@ class Speculator:
     def _prepared_for_outcome(seq: Sequence) -> bool:
         """Whether the draft prepared anything for the outcome of seq's last verification."""
         return any(p.start == seq.outcome_start for p in seq.prepared)
-
-    def shares_compute(self) -> bool:
-        """Draft and target on the same cores or GPU: every branch the draft prepares slows the target."""
-        info = self.draft.info
-        return bool(self.draft.up and info is not None and info.compute_id and info.compute_id == self.target_compute)
-
-    def draft_slows_target(self) -> bool:
-        """Whether the draft's work costs the target time: sharing its cores or GPU, or measured to slow
-        it (a draft on other cores of one socket still contends for its caches and memory bandwidth)."""
-        return self.shares_compute() or self.contention.factor > SLOWS_TARGET
-
-    def rests_draft(self, plan: StepPlan, step: int) -> bool:
-        """Whether this step runs without draft work. What a pipelined draft costs is the target's
-        slowdown while it works (Contention): large on shared compute, measurable on other cores of one
-        host, nil on its own GPU. Only steps with the draft idle show it, and a pipelined draft given
-        work on every step would never show it. So a decode-only step rests the draft until a few idle
-        steps are measured, then one in PROBE_EVERY (its decoders find no branch next step: they take
-        lookup's proposal or run at k = 0). A draft measured not to slow the target is probed
-        QUIET_PROBES times less often: the probe only keeps that finding current."""
-        if not self.config.pipeline or plan.chunks:
-            return False
-        every = PROBE_EVERY if self.draft_slows_target() else PROBE_EVERY * QUIET_PROBES
-        return not self.contention.seen(busy=False) or step % every == 0
 
     @staticmethod
     def _prefers_lookup(seq: Sequence, drafted: int, looked: int) -> bool:
@@ -232,8 +205,8 @@ class Speculator:
     def observe_step(self, plan: StepPlan, wall_ms: float, draft_busy: bool) -> None:
         """A target step's wall time: feeds the contention estimate, and the cost model at draft-idle speed."""
         tokens, seqs = plan.num_tokens, len(plan.sequences)
-        self.contention.observe(wall_ms, self.cost.step_ms(tokens, seqs), draft_busy)
-        self.draft_cost.slowdown = slowdown = self.contention.factor
+        self.pacing.contention.observe(wall_ms, self.cost.step_ms(tokens, seqs), draft_busy)
+        self.draft_cost.slowdown = slowdown = self.pacing.contention.factor
         self.cost.observe(tokens, wall_ms / slowdown if draft_busy else wall_ms, seqs)
 
     def decode_ready(self, seq: Sequence) -> bool:
@@ -274,7 +247,7 @@ class Speculator:
         # prepares nothing for sequences on prompt lookup whose lookups beat even a full proposal of its
         # own. A sequence on lookup only because the draft had nothing ready for it (late) is not one:
         # resting the draft for it would keep it late, and on lookup, for as long as lookup has offers.
-        idle_draft = self.draft_slows_target() and not self.from_draft
+        idle_draft = self.pacing.slows_target() and not self.from_draft
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
                 if idle_draft and seq.seq_id in self.from_lookup and self._prefers_lookup(seq, seq.next_k, len(drafts)):
@@ -314,7 +287,7 @@ class Speculator:
         if not cands:
             return 0
         k = max(c.k for _, _, c in cands)
-        if self.draft_slows_target():  # every branch delays the target: only each sequence's likeliest outcome
+        if self.pacing.slows_target():  # every branch delays the target: only each sequence's likeliest outcome
             return len(cands)
         by_time = max(len(cands), self.branch_cost.affordable(step_ms, len(cands) * (1 + k), k))
         geometry = self.scheduler.draft

@@ -191,6 +191,10 @@ def test_prom_derive_splits_misses_and_router_share() -> None:
          ("tandem:pipeline_misses_total", (("reason", "wrong"),)): 1.0, ("tandem:chained_steps_total", ()): 4.0}
     e = prom.derive(d, wall=1.0)
     assert e["chained_share"] == 0.4
+    g = prom.gauges({("tandem:draft_slowdown", (("replica", "t"),)): 1.3,
+                     ("tandem:spec_decode_pooled_acceptance", (("proposer", "draft"), ("replica", "t"))): 0.25,
+                     ("tandem:spec_decode_pooled_acceptance", (("proposer", "lookup"), ("replica", "t"))): 0.5})
+    assert g == {"draft_slowdown": 1.3, "pooled_acceptance_draft": 0.25, "pooled_acceptance_lookup": 0.5}
     assert e["pipeline_hit_rate"] == 0.75 and e["pipeline_miss_late"] == 0.2 and e["pipeline_miss_wrong"] == 0.05
     assert e["target_ms_per_step"] == pytest.approx(20.0) and e["router_over_target"] == pytest.approx(0.05)
 

@@ -297,21 +297,21 @@ def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_
     step there would be no idle step to compare with. Decode-only steps rest it until four idle steps
     are measured, then one in PROBE_EVERY; a step with prompt chunks never rests it (it mirrors them)."""
     from router.core import GREEDY, Request, Sequence
+    from router.pacing import PROBE_EVERY
     from router.scheduler import Chunk, StepPlan
-    from router.speculator import PROBE_EVERY
 
     spec = _speculator("host/cpu/0-1")
     decode_only = StepPlan()
-    assert spec.rests_draft(decode_only, 1), "nothing measured idle yet"
+    assert spec.pacing.rests(decode_only, 1), "nothing measured idle yet"
     for _ in range(4):
-        spec.contention.observe(10.0, 10.0, draft_busy=False)
-    assert not any(spec.rests_draft(decode_only, s) for s in range(1, PROBE_EVERY))
-    assert spec.rests_draft(decode_only, PROBE_EVERY)
+        spec.pacing.contention.observe(10.0, 10.0, draft_busy=False)
+    assert not any(spec.pacing.rests(decode_only, s) for s in range(1, PROBE_EVERY))
+    assert spec.pacing.rests(decode_only, PROBE_EVERY)
     req = Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=4)
     seq = Sequence(seq_id=1, request=req, tokens=[1, 2, 3], num_prompt=3)
-    assert not spec.rests_draft(StepPlan(chunks=[Chunk(seq, 0, 3)]), PROBE_EVERY)
+    assert not spec.pacing.rests(StepPlan(chunks=[Chunk(seq, 0, 3)]), PROBE_EVERY)
     sequential = _speculator("host/cpu/0-1", pipeline=False)
-    assert not any(sequential.rests_draft(decode_only, s) for s in range(1, 2 * PROBE_EVERY)), \
+    assert not any(sequential.pacing.rests(decode_only, s) for s in range(1, 2 * PROBE_EVERY)), \
         "a sequential draft never works alongside the target: there is nothing to measure"
 
 
@@ -320,23 +320,23 @@ def test_a_draft_on_other_cores_is_probed_too_and_treated_as_shared_once_it_meas
     probe steps there too (rarely while no slowdown shows), and a measured slowdown makes it behave as
     on shared compute: more frequent probes, one branch per sequence, nothing prepared for sequences on
     prompt lookup when no decoder took its proposals."""
+    from router.pacing import PROBE_EVERY, QUIET_PROBES
     from router.scheduler import StepPlan
     from router.speculation import Candidate
-    from router.speculator import PROBE_EVERY, QUIET_PROBES
 
     spec, decode_only = _speculator("host/cpu/1"), StepPlan()
-    assert not spec.shares_compute()
-    assert spec.rests_draft(decode_only, 1), "nothing measured idle yet"
+    assert not spec.pacing.shares_compute()
+    assert spec.pacing.rests(decode_only, 1), "nothing measured idle yet"
     for _ in range(4):
-        spec.contention.observe(10.0, 10.0, draft_busy=False)
-        spec.contention.observe(10.2, 10.0, draft_busy=True)
-    assert not spec.draft_slows_target(), "a 2% difference is noise"
+        spec.pacing.contention.observe(10.0, 10.0, draft_busy=False)
+        spec.pacing.contention.observe(10.2, 10.0, draft_busy=True)
+    assert not spec.pacing.slows_target(), "a 2% difference is noise"
     quiet = PROBE_EVERY * QUIET_PROBES
-    assert [s for s in range(1, quiet + 1) if spec.rests_draft(decode_only, s)] == [quiet]
+    assert [s for s in range(1, quiet + 1) if spec.pacing.rests(decode_only, s)] == [quiet]
     for _ in range(40):
-        spec.contention.observe(12.0, 10.0, draft_busy=True)
-    assert spec.draft_slows_target()
-    assert [s for s in range(1, PROBE_EVERY + 1) if spec.rests_draft(decode_only, s)] == [PROBE_EVERY]
+        spec.pacing.contention.observe(12.0, 10.0, draft_busy=True)
+    assert spec.pacing.slows_target()
+    assert [s for s in range(1, PROBE_EVERY + 1) if spec.pacing.rests(decode_only, s)] == [PROBE_EVERY]
     cands = [(None, [], Candidate(seq_id, 0, 0.7, 4)) for seq_id in range(3)]
     assert spec._branch_budget(cands, step_ms=1e6) == 3, "one branch per sequence: each extra one slows the target"
 
@@ -369,8 +369,8 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
     assert prepared_for(own_device) == {1, 2}
     slowed = _speculator("host/cpu/1")
     for _ in range(10):
-        slowed.contention.observe(10.0, 10.0, draft_busy=False)
-        slowed.contention.observe(13.0, 10.0, draft_busy=True)
+        slowed.pacing.contention.observe(10.0, 10.0, draft_busy=False)
+        slowed.pacing.contention.observe(13.0, 10.0, draft_busy=True)
     assert prepared_for(slowed) == {2}
     assert prepared_for(_speculator("host/cpu/0-1")) == {2}, "shared compute: no measurement needed"
     assert prepared_for(_speculator("host/cpu/0-1"), late=True) == {1, 2}, \
