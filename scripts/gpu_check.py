@@ -38,7 +38,7 @@ PYTEST_STEPS = [
     ("CUDA graphs vs eager, tensor parallel (NCCL, 2+ GPUs)",
      ["tests/test_cuda_graphs.py", "tests/test_tensor_parallel.py", "-m", "cuda or device"], 120),
 ]
-PROFILE_S = 90  # bench.step_profile: two loads of the target, 4 x 45 steps each
+PROFILE_S = 120  # bench.step_profile: two loads of the target, 8 x 45 steps each
 BENCH_S = 300  # --quick: ~3 min on 2 CPU cores; 3.6 min on an H200 machine before its anchor (2026-12-04)
 
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for pair in PAIRS:  # where a target step's time goes: the model on the GPU, or the host around it
         if (ROOT / pair / "target" / "config.json").is_file():
             name = f"step profile of {pair}/target"
-            cmd = [PY, "-m", "bench.step_profile", "--model", str(ROOT / pair / "target")]
+            cmd = [PY, "-m", "bench.step_profile", "--model", str(ROOT / pair / "target"), "--chunks", "0,128"]
             results.append(run(name, cmd, min(PROFILE_S, deadline - time.monotonic())))
             print(f"  {results[-1].status:8} {name}", flush=True)
     for pair in PAIRS:

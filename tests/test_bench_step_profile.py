@@ -1,6 +1,6 @@
 """bench/step_profile.py: one target step's time split into nested parts, each measured around the
-one inside it, so they must nest (step >= forward_ms >= runner >= model > 0) for every batch size
-and k; on CPU nothing is replayed from a graph."""
+one inside it, so they must nest (step >= forward_ms >= runner >= model > 0) for every batch size,
+k and prompt chunk beside the decodes; on CPU nothing is replayed from a graph."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.conftest import SMALL, write_checkpoint
 
 def test_the_parts_of_a_step_nest_for_every_batch_and_k(tmp_path):
     model = write_checkpoint(LlamaConfig(**SMALL), tmp_path, seed=1)
-    rows = profile(str(model), "cpu", eager=True, batches=[1, 3], ks=[0, 2], steps=3)
-    assert [(r.batch, r.k) for r in rows] == [(1, 0), (1, 2), (3, 0), (3, 2)]
+    rows = profile(str(model), "cpu", eager=True, batches=[1, 3], ks=[0, 2], steps=3, chunks=(0, 48))
+    assert [(r.batch, r.k, r.chunk) for r in rows] == [(b, k, c) for b in (1, 3) for k in (0, 2) for c in (0, 48)]
     for r in rows:
         assert r.step_ms >= r.forward_ms >= r.runner_ms >= r.model_ms > 0, r
         assert r.host_ms == r.step_ms - r.model_ms
