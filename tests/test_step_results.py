@@ -1,0 +1,85 @@
+"""router/step_results.py: a target step's answer applied to the books, without services. Results
+come in the step's entry order (decodes, prompt chunks, forked siblings); each decode updates the
+tracker of the proposer it verified, the spec-decode counters count what was verified and accepted,
+and each decoder that wanted drafts is a pipeline hit, late or wrong."""
+
+from __future__ import annotations
+
+from router.core import GREEDY, Request, Sequence
+from router.metrics import Metrics
+from router.scheduler import Chunk, StepPlan
+from router.step_results import StepResults
+from tandem.v1 import target_pb2
+from tests.test_spec_policy import _speculator
+
+
+def _seq(seq_id: int, prompt: list[int]) -> Sequence:
+    seq = Sequence(seq_id, Request(request_id=f"r{seq_id}", prompt_ids=prompt, sampling=GREEDY, max_tokens=64))
+    seq.tokens, seq.num_prompt = list(prompt), len(prompt)
+    return seq
+
+
+def _books():
+    spec, metrics, emitted = _speculator("host/cpu/1"), Metrics(k_max=4), []
+    return spec, metrics, emitted, StepResults(spec, metrics, lambda seq, toks, lp: emitted.append((seq.seq_id, toks)))
+
+
+def _value(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_results_are_applied_in_entry_order_and_count_what_was_verified():
+    spec, metrics, emitted, results = _books()
+    drafted, looked, prompt = _seq(1, [5, 6, 7]), _seq(2, [8, 9, 8, 9]), _seq(3, [1, 2, 3, 4])
+    spec.from_lookup.add(looked.seq_id)
+    plan = StepPlan(decodes=[(drafted, 3), (looked, 2)], chunks=[Chunk(prompt, 0, 4)])
+    response = target_pb2.StepResponse(results=[
+        target_pb2.EntryResult(seq_id=1, tokens=[10, 11], num_accepted=1, cached_len=5),
+        target_pb2.EntryResult(seq_id=2, tokens=[8, 9, 4], num_accepted=2, cached_len=7),
+        target_pb2.EntryResult(seq_id=3, tokens=[42], cached_len=4)])
+    before = (drafted.tracker.rate, looked.tracker.rate, looked.lookup_tracker.rate)
+    results.apply(plan, [[10, 12, 13], [8, 9]], response)
+
+    assert emitted == [(1, [10, 11]), (2, [8, 9, 4]), (3, [42])]
+    assert (drafted.target_cached, looked.target_cached, prompt.target_cached) == (5, 7, 4)
+    assert drafted.tracker.rate < before[0], "one of three drafts accepted: the draft's tracker falls"
+    assert looked.tracker.rate == before[1], "a lookup proposal is not evidence about the draft"
+    assert looked.lookup_tracker.rate > before[2], "both of its guesses accepted: lookup's tracker rises"
+    assert _value(metrics, "tandem:spec_decode_num_drafts_total") == 2
+    assert _value(metrics, "tandem:spec_decode_num_draft_tokens_total") == 5
+    assert _value(metrics, "tandem:spec_decode_num_accepted_tokens_total") == 3
+    assert _value(metrics, "tandem:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 2
+    assert _value(metrics, "tandem:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
+
+
+def test_a_finished_sequence_is_counted_but_gets_no_more_tokens():
+    spec, metrics, emitted, results = _books()
+    done = _seq(1, [5, 6, 7])
+    done.finished = True
+    response = target_pb2.StepResponse(results=[target_pb2.EntryResult(seq_id=1, tokens=[3, 4], num_accepted=1,
+                                                                       cached_len=5)])
+    results.apply(StepPlan(decodes=[(done, 1)]), [[3]], response)
+    assert emitted == [] and done.target_cached == 0
+    assert _value(metrics, "tandem:spec_decode_num_accepted_tokens_total") == 1
+
+
+def test_each_decoder_that_wanted_drafts_is_a_pipeline_hit_late_or_wrong():
+    spec, metrics, _, results = _books()
+    hit, late, wrong, plain, on_lookup = (_seq(i, [1, 2, 3]) for i in range(1, 6))
+    for seq in (hit, late, wrong, on_lookup):
+        seq.next_k = 2
+    spec.from_draft.add(hit.seq_id)
+    spec.late.add(late.seq_id)
+    spec.from_lookup.add(on_lookup.seq_id)
+    spec.lookup_over_draft.add(on_lookup.seq_id)  # the draft had one, lookup's looked better: no miss
+    results.count_outcomes(StepPlan(decodes=[(s, 0) for s in (hit, late, wrong, plain, on_lookup)]), draft_up=True)
+
+    assert _value(metrics, "tandem:pipeline_lookups_total") == 3
+    assert _value(metrics, "tandem:pipeline_hits_total") == 1
+    assert _value(metrics, "tandem:pipeline_misses_total", reason="late") == 1
+    assert _value(metrics, "tandem:pipeline_misses_total", reason="wrong") == 1
+    assert _value(metrics, "tandem:lookup_proposals_total") == 1
+    assert (hit.stats.pipeline["hit"], late.stats.pipeline["late"], wrong.stats.pipeline["wrong"]) == (1, 1, 1)
+
+    results.count_outcomes(StepPlan(decodes=[(hit, 2)]), draft_up=False)
+    assert _value(metrics, "tandem:pipeline_lookups_total") == 3, "no draft, no pipeline to score"
