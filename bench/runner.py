@@ -86,7 +86,7 @@ def run_config(cfg: Config, s: Settings, model_name: str, loads: list[tuple[Load
                 after = prom.scrape(stack.url)
                 summary = summarize(results, wall)
                 engine = prom.derive(prom.delta(before, after), wall)
-                summary["engine"] = engine | prom.gauges(after) if cfg.draft else engine
+                summary["engine"] = (engine | prom.gauges(after)) if cfg.draft else engine
                 if load.kind == "open":
                     summary["rate_req_s"] = rate
                 runs.append(LoadRun(load, results, summary, itl_samples(results)))

@@ -65,9 +65,11 @@ class StepLoop:
         self._answered_at = 0.0  # perf_counter() when the target's last answer came
         self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
         self._busy = metrics.target_busy.labels(replica=target.address)
-        self._slowdown = metrics.draft_slowdown.labels(replica=target.address)
-        self._pooled = {kind: metrics.pooled_acceptance.labels(replica=target.address, proposer=kind)
-                        for kind in ("draft", "lookup")}
+        # read when /metrics is scraped, not written on every step
+        metrics.draft_slowdown.labels(replica=target.address).set_function(lambda: self.spec.pacing.contention.factor)
+        for kind, pool in (("draft", self.spec.draft_acceptance), ("lookup", self.spec.lookup_acceptance)):
+            metrics.pooled_acceptance.labels(replica=target.address, proposer=kind).set_function(
+                lambda pool=pool: pool.pooled.rate)
         self._unchained = metrics.unchained_steps
         self.tracer = config.tracer
 
@@ -275,9 +277,6 @@ class StepLoop:
         self.steps += 1
         tokens = plan.num_tokens
         self.spec.observe_step(plan, target_wall_ms, draft_busy)  # wall time, RPC included: like the draft's
-        self._slowdown.set(self.spec.pacing.contention.factor)
-        self._pooled["draft"].set(self.spec.draft_acceptance.pooled.rate)
-        self._pooled["lookup"].set(self.spec.lookup_acceptance.pooled.rate)
         self.metrics.step_tokens.observe(tokens)
         total_ms = (time.perf_counter() - t_start) * 1000
         self._parts["target"].observe(response.forward_ms / 1000)
