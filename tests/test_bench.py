@@ -188,9 +188,12 @@ def test_prom_derive_splits_misses_and_router_share() -> None:
          (f"{st}_sum", (("part", "router"),)): 0.01, (f"{st}_sum", (("part", "draft"),)): 0.0,
          ("tandem:pipeline_lookups_total", ()): 20.0, ("tandem:pipeline_hits_total", ()): 15.0,
          ("tandem:pipeline_misses_total", (("reason", "late"),)): 4.0,
-         ("tandem:pipeline_misses_total", (("reason", "wrong"),)): 1.0, ("tandem:chained_steps_total", ()): 4.0}
+         ("tandem:pipeline_misses_total", (("reason", "wrong"),)): 1.0, ("tandem:chained_steps_total", ()): 4.0,
+         ("tandem:unchained_steps_total", (("reason", "draft_late"), ("replica", "t"))): 3.0,
+         ("tandem:unchained_steps_total", (("reason", "plan"), ("replica", "t"))): 2.0}
     e = prom.derive(d, wall=1.0)
-    assert e["chained_share"] == 0.4
+    assert e["chained_share"] == 0.4 and e["unchained_draft_late"] == 0.3 and e["unchained_plan"] == 0.2
+    assert e["unchained_no_draft_call"] == 0.0
     g = prom.gauges({("tandem:draft_slowdown", (("replica", "t"),)): 1.3,
                      ("tandem:spec_decode_pooled_acceptance", (("proposer", "draft"), ("replica", "t"))): 0.25,
                      ("tandem:spec_decode_pooled_acceptance", (("proposer", "lookup"), ("replica", "t"))): 0.5})
