@@ -64,10 +64,10 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
         # steps sent behind the one running (router.chain): their round trip overlapped the target's forward
         "chained_share": _ratio(_get(d, "tandem:chained_steps_total"), steps),
         # ... and why the others were not: the plan needed the step's outcome (chunks, admissions, a
-        # grammar), the draft had no call for its outcomes, its call landed after the answer, or it
-        # prepared nothing for a sequence that wants drafts
+        # grammar), the draft had no call for its outcomes, its call landed after the answer, it
+        # prepared nothing for a sequence that wants drafts, or prompt lookup's guesses were worth waiting for
         **{f"unchained_{r}": _ratio(_get(d, "tandem:unchained_steps_total", reason=r), steps)
-           for r in ("plan", "no_draft_call", "draft_late", "no_proposal")},
+           for r in ("plan", "no_draft_call", "draft_late", "no_proposal", "lookup")},
         "pipeline_waits_per_step": _ratio(_get(d, "tandem:pipeline_waits_total"), steps),
         "pipeline_waits_arrived": _ratio(_get(d, "tandem:pipeline_waits_total", outcome="arrived"),
                                          _get(d, "tandem:pipeline_waits_total")),

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ROUND_TRIP_PRIOR_MS = 2.0  # an unchained step's router+RPC part before any was measured (1-3 ms on CPU hosts)
+
 
 class StepLoop:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, target: TargetClient, draft: DraftLane,
@@ -63,6 +65,7 @@ class StepLoop:
         self._pending_release: list[int] = []
         self._chained: ChainedStep | None = None  # the step sent behind the one running (router.chain)
         self._answered_at = 0.0  # perf_counter() when the target's last answer came
+        self._round_trip_ms = ROUND_TRIP_PRIOR_MS  # what an unchained step's router+RPC part costs (decayed mean)
         self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
         self._busy = metrics.target_busy.labels(replica=target.address)
         # read when /metrics is scraped, not written on every step
@@ -127,7 +130,7 @@ class StepLoop:
             return True
         if only is not None:
             self.faults.cleared(only)  # it ran alone without fault: another sequence caused it
-        self._done(plan, sent, response, draft_ms, t_start, t_target, trace)
+        self._done(plan, sent, response, draft_ms, t_start, t_target, trace, chained=False)
         return True
 
     async def _chained_iteration(self, t_start: float) -> bool:
@@ -147,7 +150,7 @@ class StepLoop:
         for res, chosen in zip(response.results, chained.chosen, strict=True):
             assert res.alternative == chosen, f"seq {res.seq_id}: the target verified alternative {res.alternative}, " \
                                               f"the router booked {chosen}"
-        self._done(plan, sent, response, 0.0, t_start, t_target, None)
+        self._done(plan, sent, response, 0.0, t_start, t_target, None, chained=True)
         return True
 
     def _begin_chained(self, chained: ChainedStep) -> None:
@@ -235,6 +238,9 @@ class StepLoop:
         """Send the step after plan's, each sequence's proposals keyed by plan's outcome (router.chain)."""
         seqs = [s for s, _ in plan.decodes]
         ks = self.spec.chain_ks(seqs)
+        if self.spec.lookup_beats_chaining(seqs, ks, self._round_trip_ms):
+            self._unchained.labels(reason="lookup").inc()
+            return
         built = chained_entries(seqs, sent, ks, self.spec.max_model_len)
         if built is None:
             self._unchained.labels(reason="no_proposal").inc()
@@ -261,7 +267,7 @@ class StepLoop:
 
     # ---- results -------------------------------------------------------------------------------
     def _done(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse, draft_ms: float,
-              t_start: float, t_target: float, trace: StepTrace | None) -> None:
+              t_start: float, t_target: float, trace: StepTrace | None, chained: bool) -> None:
         target_wall_ms = (self._answered_at - t_target) * 1000
         draft_busy = self.draft.busy_since(t_target)  # worked alongside this step: the target may run slower
         self.results.apply(plan, sent, response)
@@ -270,10 +276,10 @@ class StepLoop:
             trace.end(plan, sent, response, self.spec, self.draft.up)
         if self._chained is not None:  # the target runs it now: the draft's work for its outcomes goes first
             self._begin_chained(self._chained)
-        self._record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy)
+        self._record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy, chained)
 
     def _record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
-                t_start: float, draft_busy: bool) -> None:
+                t_start: float, draft_busy: bool, chained: bool) -> None:
         self.steps += 1
         tokens = plan.num_tokens
         self.spec.observe_step(plan, target_wall_ms, draft_busy)  # wall time, RPC included: like the draft's
@@ -282,4 +288,7 @@ class StepLoop:
         self._parts["target"].observe(response.forward_ms / 1000)
         self._busy.inc(response.forward_ms / 1000)
         self._parts["draft"].observe(draft_ms / 1000)
-        self._parts["router"].observe(max(0.0, total_ms - response.forward_ms - draft_ms) / 1000)
+        router_ms = max(0.0, total_ms - response.forward_ms - draft_ms)
+        self._parts["router"].observe(router_ms / 1000)
+        if not chained:  # what waiting for an answer costs (lookup_beats_chaining)
+            self._round_trip_ms += 0.05 * (router_ms - self._round_trip_ms)

@@ -60,9 +60,10 @@ class Metrics:
                                        "(the target waited a round trip for them), by why: draft_late = the step "
                                        "ahead answered before the draft's branches for it landed, no_draft_call = "
                                        "the draft had no call for its outcomes (resting, busy, down), no_proposal = "
-                                       "a sequence wanted drafts the draft had not prepared, plan = the step ahead "
-                                       "was not decodes of every running sequence (prompts, a newcomer waiting, a "
-                                       "grammar, seeded sampling, a finish)", ["reason"], registry=r)
+                                       "a sequence wanted drafts the draft had not prepared, lookup = prompt lookup's "
+                                       "guesses (made after the outcome) were worth the round trip, plan = the step "
+                                       "ahead was not decodes of every running sequence (prompts, a newcomer waiting, "
+                                       "a grammar, seeded sampling, a finish)", ["reason"], registry=r)
         self.lookup_proposals = Counter("tandem:lookup_proposals", "Verifications whose drafts came from prompt "
                                         "lookup (the draft had none for them, or there is no draft)", registry=r)
         self.pipeline_lookups = Counter("tandem:pipeline_lookups", "Verifications whose next proposal was "
