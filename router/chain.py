@@ -15,15 +15,20 @@ scheduler plans only steps that need no decision from step t's outcome (`chainab
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import grpc
 
 from router.core import Sequence
 from router.scheduler import StepPlan
+from router.spec_policy import choose_k, expected_tokens
 from router.speculation import Proposal, best_proposal
 from router.step_entries import logprobs_wanted
 from tandem.v1 import target_pb2
+
+if TYPE_CHECKING:
+    from router.speculator import Speculator
 
 
 @dataclass
@@ -117,3 +122,24 @@ def chainable(plan: StepPlan, running: list[Sequence], waiting: bool) -> bool:
     return all(seq.grammar is None and not seq.request.reproducible and not seq.finished
                and (seq.request.max_tokens is None or seq.num_output + k + 1 < seq.request.max_tokens)
                for seq, k in plan.decodes)
+
+
+def lookup_beats_chaining(spec: Speculator, decoders: list[Sequence], ks: list[int], round_trip_ms: float) -> bool:
+    """Whether the step after this one should wait for its answer instead of being chained with no
+    drafts (ks, from chain_ks, all 0: the policy finds the draft's proposals not worth their cost):
+    such a chained step gives up prompt lookup's guesses, which need the outcome, for the round trip
+    it saves. Lookup's offers are judged from the history as it is now (one that has a match now
+    mostly has one a token later, as in Speculator.plain_next_step), at its acceptance and the k the
+    policy would verify, against plain decodes, the round trip charged to waiting. Where the chained
+    step verifies drafts it is kept: waiting for lookup there cost the demo pair 7-24% of its
+    tokens/s at c=16 in three side-by-side pairs of runs, for no more tokens a step."""
+    if any(ks):
+        return False
+    offers = [len(spec.lookup(s)[0][:spec.cap(s)]) for s in decoders]
+    if not any(offers):
+        return False
+    n, cost = len(decoders), spec.cost
+    rates = [s.lookup_tracker.rate for s in decoders]
+    waited = choose_k(rates, offers, 0, cost, replace(spec.draft_cost, always_ready=True), [False] * n)
+    unchained = sum(expected_tokens(a, k) for a, k in zip(rates, waited, strict=True))
+    return unchained / (cost.step_ms(n + sum(waited), n) + round_trip_ms) > n / cost.step_ms(n, n)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from router.chain import ChainedStep, chainable, chained_entries
+from router.chain import ChainedStep, chainable, chained_entries, lookup_beats_chaining
 from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
 from router.core import FinishReason, Sequence, TokenLogprob
@@ -238,7 +238,7 @@ class StepLoop:
         """Send the step after plan's, each sequence's proposals keyed by plan's outcome (router.chain)."""
         seqs = [s for s, _ in plan.decodes]
         ks = self.spec.chain_ks(seqs)
-        if self.spec.lookup_beats_chaining(seqs, ks, self._round_trip_ms):
+        if lookup_beats_chaining(self.spec, seqs, ks, self._round_trip_ms):
             self._unchained.labels(reason="lookup").inc()
             return
         built = chained_entries(seqs, sent, ks, self.spec.max_model_len)

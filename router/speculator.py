@@ -111,26 +111,6 @@ class Speculator:
             caps[i] = k
         return caps
 
-    def lookup_beats_chaining(self, decoders: list[Sequence], ks: list[int], round_trip_ms: float) -> bool:
-        """Whether the step after this one should wait for its answer instead of being chained with no
-        drafts (ks, from chain_ks, all 0: the policy finds the draft's proposals not worth their cost):
-        such a chained step gives up prompt lookup's guesses, which need the outcome, for the round
-        trip it saves. Lookup's offers are judged from the history as it is now (one that has a match
-        now mostly has one a token later, as in plain_next_step), at its acceptance and the k the
-        policy would verify, against plain decodes, the round trip charged to waiting. Where the
-        chained step verifies drafts it is kept: waiting for lookup there cost the demo pair 7-24% of
-        its tokens/s at c=16 in three side-by-side pairs of runs, for no more tokens a step."""
-        if any(ks):
-            return False
-        offers = [len(self.lookup(s)[0][:self.cap(s)]) for s in decoders]
-        if not any(offers):
-            return False
-        n = len(decoders)
-        rates = [s.lookup_tracker.rate for s in decoders]
-        waited = choose_k(rates, offers, 0, self.cost, replace(self.draft_cost, always_ready=True), [False] * n)
-        unchained = sum(expected_tokens(a, k) for a, k in zip(rates, waited, strict=True))
-        return unchained / (self.cost.step_ms(n + sum(waited), n) + round_trip_ms) > n / self.cost.step_ms(n, n)
-
     def plain_next_step(self, decoders: list[Sequence]) -> bool:
         """Whether the step after this one would run every decoder at k = 0 whatever this one emits: the
         policy drafts for none of them (chain_ks) and prompt lookup has nothing for any (its proposals

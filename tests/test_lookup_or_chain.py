@@ -1,9 +1,10 @@
-"""Speculator.lookup_beats_chaining: whether a step that the policy would chain without drafts (the
+"""router.chain.lookup_beats_chaining: whether a step that the policy would chain without drafts (the
 draft's proposals not worth their cost) waits a round trip for the outcome instead, so that prompt
 lookup can guess from the history it makes. Decided by expected tokens per ms, without services."""
 
 from __future__ import annotations
 
+from router.chain import lookup_beats_chaining
 from router.core import GREEDY, Request, Sequence
 from router.spec_policy import AcceptanceTracker
 from router.step_costs import StepCostModel
@@ -33,32 +34,32 @@ def test_a_chain_without_drafts_waits_for_the_outcome_where_lookup_guesses_well(
     tokens they add to a 65 ms step."""
     spec = _spec()
     seq = _seq(1, REPEATING, draft_rate=0.2, lookup_rate=0.8)
-    assert spec.lookup_beats_chaining([seq], [0], round_trip_ms=2.0)
+    assert lookup_beats_chaining(spec, [seq], [0], round_trip_ms=2.0)
 
 
 def test_no_lookup_offer_keeps_the_chain():
     spec = _spec()
-    assert not spec.lookup_beats_chaining([_seq(1, FRESH, draft_rate=0.2, lookup_rate=0.8)], [0], 2.0)
+    assert not lookup_beats_chaining(spec, [_seq(1, FRESH, draft_rate=0.2, lookup_rate=0.8)], [0], 2.0)
 
 
 def test_a_chained_step_that_verifies_drafts_is_kept():
     """Waiting for lookup there cost the demo pair 7-24% of its tokens/s at c=16, for no more tokens a step."""
     spec = _spec()
     seq = _seq(1, REPEATING, draft_rate=0.2, lookup_rate=0.8)
-    assert not spec.lookup_beats_chaining([seq], [1], round_trip_ms=2.0)
+    assert not lookup_beats_chaining(spec, [seq], [1], round_trip_ms=2.0)
 
 
 def test_a_lookup_that_is_rarely_accepted_keeps_the_chain():
     spec = _spec()
-    assert not spec.lookup_beats_chaining([_seq(1, REPEATING, draft_rate=0.2, lookup_rate=0.05)], [0], 2.0)
+    assert not lookup_beats_chaining(spec, [_seq(1, REPEATING, draft_rate=0.2, lookup_rate=0.05)], [0], 2.0)
 
 
 def test_the_round_trip_is_priced():
     """The same lookup gain that pays for a 2 ms round trip does not pay for one longer than the step."""
     spec = _spec()
     seq = _seq(1, REPEATING, draft_rate=0.2, lookup_rate=0.6)
-    assert spec.lookup_beats_chaining([seq], [0], round_trip_ms=2.0)
-    assert not spec.lookup_beats_chaining([seq], [0], round_trip_ms=100.0)
+    assert lookup_beats_chaining(spec, [seq], [0], round_trip_ms=2.0)
+    assert not lookup_beats_chaining(spec, [seq], [0], round_trip_ms=100.0)
 
 
 def test_one_sequence_with_an_offer_can_hold_the_step_for_all():
@@ -67,5 +68,5 @@ def test_one_sequence_with_an_offer_can_hold_the_step_for_all():
     spec = _spec()
     looked = _seq(1, REPEATING, draft_rate=0.2, lookup_rate=0.9)
     others = [_seq(i, FRESH, draft_rate=0.2, lookup_rate=0.9) for i in range(2, 5)]
-    assert spec.lookup_beats_chaining([looked, *others], [0, 0, 0, 0], round_trip_ms=2.0)
-    assert not spec.lookup_beats_chaining([looked, *others], [0, 0, 0, 0], round_trip_ms=80.0)
+    assert lookup_beats_chaining(spec, [looked, *others], [0, 0, 0, 0], round_trip_ms=2.0)
+    assert not lookup_beats_chaining(spec, [looked, *others], [0, 0, 0, 0], round_trip_ms=80.0)
