@@ -506,3 +506,27 @@ def test_the_next_step_is_plain_only_where_no_decoder_would_take_drafts_whatever
     assert not spec.plain_next_step([hopeless, promising])
     spec.draft.up = False  # no draft and no lookup match: nothing to speculate with
     assert spec.plain_next_step([hopeless, promising])
+
+
+def test_contention_is_measured_on_decode_only_steps():
+    """Prompt-chunk steps always have the draft busy (it mirrors them) and are priced from the line,
+    which may misprice them: taken as contention they read as a slowdown the decodes never had."""
+    from router.core import GREEDY, Request, Sequence
+    from router.scheduler import Chunk, StepPlan
+
+    spec = _speculator("host/cpu/1")
+    seq = Sequence(1, Request(request_id="r1", prompt_ids=list(range(200)), sampling=GREEDY, max_tokens=8))
+    decode, chunk = StepPlan(decodes=[(seq, 0)]), StepPlan(chunks=[Chunk(seq, 0, 128)])
+
+    def step(plan: StepPlan, busy: bool, ratio: float) -> None:
+        spec.observe_step(plan, ratio * spec.cost.step_ms(plan.num_tokens, len(plan.sequences)), busy)
+
+    for _ in range(10):
+        step(decode, False, 1.0)
+        step(decode, True, 1.0)
+        step(chunk, True, 1.5)  # mispriced by the line, not slowed
+    assert spec.pacing.contention.factor == pytest.approx(1.0)
+    assert not spec.pacing.slows_target()
+    for _ in range(40):
+        step(decode, True, 1.3)
+    assert spec.pacing.contention.factor == pytest.approx(1.3, rel=0.05), "busy decodes that are slower are"
