@@ -36,7 +36,8 @@ def _ratio(num: float, den: float) -> float:
 def derive(d: Samples, wall: float) -> dict[str, float]:
     """Engine-side figures of one load, from the counter and histogram deltas over `wall` seconds.
     step_time{part}: target = the target's own forward time; draft = draft calls on the critical
-    path (before the Step: sequential proposals, pipelined waits for a call about to land); router =
+    path (before the Step: sequential proposals, pipelined waits for a call about to land and fills of
+    its misses); router =
     the rest of the step (RPCs, the router's Python, the services' request handling)."""
     st = "tandem:step_time_seconds"
     steps = _get(d, f"{st}_count", part="target")
@@ -61,6 +62,8 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
         # misses as shares of lookups: late = nothing prepared for the outcome yet, wrong = no branch matched
         "pipeline_miss_late": _ratio(_get(d, "tandem:pipeline_misses_total", reason="late"), lookups),
         "pipeline_miss_wrong": _ratio(_get(d, "tandem:pipeline_misses_total", reason="wrong"), lookups),
+        # ... and the misses the draft filled before the step, on its critical path (router.upfront)
+        "pipeline_fills": _ratio(_get(d, "tandem:pipeline_fills_total"), lookups),
         # steps sent behind the one running (router.chain): their round trip overlapped the target's forward
         "chained_share": _ratio(_get(d, "tandem:chained_steps_total"), steps),
         # ... and why the others were not: the plan needed the step's outcome (chunks, admissions, a

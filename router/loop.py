@@ -35,6 +35,7 @@ from router.speculator import Speculator
 from router.step_entries import step_entries
 from router.step_faults import StepFaults
 from router.step_results import StepResults
+from router.upfront import fill_misses, sequential_proposals
 from tandem.v1 import target_pb2
 
 if TYPE_CHECKING:
@@ -99,8 +100,10 @@ class StepLoop:
             await self.release_now(ids)
         if self._chained is not None:
             return await self._chained_iteration(t_start)
-        draft_ms = await self._grace() if self.config.pipeline else await self.spec.sequential_proposals()
+        draft_ms = await self._grace() if self.config.pipeline else await sequential_proposals(self.spec)
         self.spec.new_step()
+        if self.config.pipeline:
+            draft_ms += await self._fill()
         only = self.faults.next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
         if plan.preempted:
@@ -264,6 +267,13 @@ class StepLoop:
         self.spec.wait_odds.observe(self.draft.idle)
         self.metrics.pipeline_waits.labels(outcome="arrived" if self.draft.idle else "timed_out").inc()
         return (time.perf_counter() - t0) * 1000
+
+    async def _fill(self) -> float:
+        """Draft now for decoders whose branches missed, where it pays (router.upfront)."""
+        filled_ms = await fill_misses(self.spec)
+        if self.spec.filled:
+            self.metrics.pipeline_fills.inc(len(self.spec.filled))
+        return filled_ms
 
     # ---- results -------------------------------------------------------------------------------
     def _done(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse, draft_ms: float,

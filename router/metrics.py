@@ -50,6 +50,9 @@ class Metrics:
         self.pipeline_misses = Counter("tandem:pipeline_misses", "Decodes that wanted a proposal and had none: "
                                        "late = the draft had prepared nothing for this outcome yet, wrong = "
                                        "it had, and no prepared branch matched", ["reason"], registry=r)
+        self.pipeline_fills = Counter("tandem:pipeline_fills", "Pipeline misses filled: the draft proposed for them "
+                                      "before the step (on its critical path), where that was worth its time",
+                                      registry=r)
         self.pipeline_waits = Counter("tandem:pipeline_waits", "Steps that waited (at most what the proposals "
                                       "were worth) for a draft call about to land with them: arrived or timed_out "
                                       "(the step then ran without them)", ["outcome"], registry=r)

@@ -39,6 +39,7 @@ class Speculator:
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
+        self.filled: dict[int, str] = {}  # decoders whose miss (late / wrong) a plain proposal filled (upfront.py)
         draft.on_cost = self._observe_draft
 
     # ---- k and proposals ------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class Speculator:
     def _offers(self, seq: Sequence) -> tuple[Proposal, Proposal]:
         """The draft's prepared proposal for seq's history and prompt lookup's; a sequence the draft had
         prepared nothing for yet is late."""
-        if not self._prepared_for_outcome(seq):
+        if not self.prepared_for_outcome(seq):
             self.late.add(seq.seq_id)
         return self.proposal(seq), self.lookup(seq)
 
@@ -163,7 +164,7 @@ class Speculator:
                    if e.k > 0 or e.branches}
         decoders = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
         waiting = {s.seq_id for s in decoders
-                   if carried.get(s.seq_id) == s.outcome_start and not self._prepared_for_outcome(s)}
+                   if carried.get(s.seq_id) == s.outcome_start and not self.prepared_for_outcome(s)}
         if not waiting:
             return 0.0
         tokens = gain = 0.0
@@ -187,7 +188,7 @@ class Speculator:
         return limit if expected - elapsed <= limit else 0.0
 
     @staticmethod
-    def _prepared_for_outcome(seq: Sequence) -> bool:
+    def prepared_for_outcome(seq: Sequence) -> bool:
         """Whether the draft prepared anything for the outcome of seq's last verification."""
         return any(p.start == seq.outcome_start for p in seq.prepared)
 
@@ -224,6 +225,8 @@ class Speculator:
         late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
         if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_over_draft:
             return None
+        if seq.seq_id in self.filled:
+            return self.filled[seq.seq_id]
         if seq.seq_id in self.from_draft:
             return "hit"
         return "late" if seq.seq_id in self.late else "wrong"
@@ -234,6 +237,7 @@ class Speculator:
         self.from_draft.clear()
         self.from_lookup.clear()
         self.lookup_over_draft.clear()
+        self.filled.clear()
 
     def observe_outcome(self, seq: Sequence, v: int, accepted: int, token: int) -> None:
         """Which prepared branch (if any) this verification's outcome matched: the rank statistics."""
@@ -306,22 +310,3 @@ class Speculator:
         if work.rounds:
             self.draft_cost.observe(ms, work.rounds, len(work.entries))
             self.branch_cost.observe(ms, work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
-
-    async def sequential_proposals(self) -> float:
-        """Without pipelining, decoders lacking a proposal get a plain one first (on the critical path)."""
-        if not self.draft.up:
-            return 0.0
-        running = [s for s in self.scheduler.running if not s.prefilling]
-        lacking = [s for s in running if self.cap(s) > 0 and not self.proposal(s)[0]]
-        if not lacking:
-            return 0.0  # no draft work: an idle router must be able to tell it did nothing
-        t0 = time.perf_counter()
-        await self.draft.wait()  # the previous step's prompt mirroring
-        self.choose_ks(running, 0)  # sizes the proposals; a sequence held at k = 0 needs none
-        work = DraftWork()
-        for seq in lacking:
-            if seq.next_k > 0:
-                work.add(seq, list(seq.tokens), seq.next_k, 0, seq.request.sampling_proto, [], self.draft.budget)
-        tracer = self.config.tracer
-        await self.draft.run(work, tracer.step(None, -1) if tracer is not None and work.entries else None)
-        return (time.perf_counter() - t0) * 1000

@@ -1,0 +1,103 @@
+"""Draft calls made before a step, on its critical path: sequential mode's plain proposals
+(--no-pipeline), and, pipelined, a plain proposal for the decoders whose prepared branches missed
+their outcome, where it is worth its time (a fill).
+
+    pipelined, step t answered:  hit   the branch prepared for its outcome is verified at once
+                                 miss  k = 0 or a prompt-lookup guess in step t+1 ...
+                                       ... or, filled: the draft proposes k now, step t+1 verifies it
+
+A miss left unfilled emits about one token where a hit emits 1 + a + ... + a^k; at acceptance 0.9
+and k = 4 that is a step's worth of three tokens, against a k-round draft call that costs a fraction
+of a target step. A filled miss still counts as the pipeline's miss (late or wrong): the fill is
+drafting in sequence, not a prepared branch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from router.core import Sequence
+from router.drafting import DraftWork
+from router.spec_policy import expected_tokens
+
+if TYPE_CHECKING:
+    from router.speculator import Speculator
+
+
+def misses_worth_filling(spec: Speculator, decoders: list[Sequence]) -> list[Sequence]:
+    """The decoders whose miss a plain proposal drafted now should fill: the set that most raises the
+    step's expected tokens per ms, its call's time (BranchCost, k rounds per entry) added to the step's.
+    A miss counts at what it emits without a fill (lookup's guess at lookup's acceptance, else one
+    token), a fill at the draft's acceptance with the sequence's cap; the rest at what they verify."""
+    tokens = 0.0  # expected tokens the step emits without fills
+    scored = 0  # tokens the target scores without fills
+    missed: list[tuple[float, int, Sequence]] = []  # (gain, extra tokens scored, seq)
+    for seq in decoders:
+        cap = spec.cap(seq)
+        drafted = spec.proposal(seq)[0][:cap]
+        if cap == 0 or drafted or seq.request.reproducible:  # a seeded one waits for its own (decode_ready)
+            tokens += expected_tokens(seq.tracker.rate, len(drafted))
+            scored += 1 + len(drafted)
+            continue
+        looked = spec.lookup(seq)[0][:cap]
+        fallback = expected_tokens(seq.lookup_tracker.rate, len(looked))
+        tokens += fallback
+        scored += 1 + len(looked)
+        gain = expected_tokens(seq.tracker.rate, cap) - fallback
+        if gain > 0:
+            missed.append((gain, cap - len(looked), seq))
+    if not missed:
+        return []
+    n = len(decoders)
+    best, chosen = tokens / spec.cost.step_ms(scored, n), 0
+    gained, extra, k = 0.0, 0, 0
+    missed.sort(key=lambda m: m[0], reverse=True)
+    for i, (gain, more, seq) in enumerate(missed, start=1):
+        gained, extra, k = gained + gain, extra + more, max(k, spec.cap(seq))
+        fill_ms = spec.branch_cost.call_ms(k * i, 0)
+        goodput = (tokens + gained) / (spec.cost.step_ms(scored + extra, n) + fill_ms)
+        if goodput > best * 1.0001:
+            best, chosen = goodput, i
+    return [seq for _, _, seq in missed[:chosen]]
+
+
+async def fill_misses(spec: Speculator) -> float:
+    """Pipelined: fill the misses worth it (misses_worth_filling) with one plain Propose, if the draft
+    is idle (a call still in flight had its grace: Speculator.grace_ms). Returns its ms (critical path)."""
+    draft = spec.draft
+    if not (draft.up and draft.idle):
+        return 0.0
+    decoders = [s for s in spec.scheduler.running if not s.prefilling and not s.finished]
+    fills = misses_worth_filling(spec, decoders)
+    if not fills:
+        return 0.0
+    t0 = time.perf_counter()
+    work = DraftWork()
+    for seq in fills:
+        if work.add(seq, list(seq.tokens), spec.cap(seq), 0, seq.request.sampling_proto, [], draft.budget):
+            spec.filled[seq.seq_id] = "wrong" if spec.prepared_for_outcome(seq) else "late"
+    tracer = spec.config.tracer
+    await draft.run(work, tracer.step(None, -1) if tracer is not None and work.entries else None)
+    return (time.perf_counter() - t0) * 1000
+
+
+async def sequential_proposals(spec: Speculator) -> float:
+    """Without pipelining, decoders lacking a proposal get a plain one first (on the critical path)."""
+    draft = spec.draft
+    if not draft.up:
+        return 0.0
+    running = [s for s in spec.scheduler.running if not s.prefilling]
+    lacking = [s for s in running if spec.cap(s) > 0 and not spec.proposal(s)[0]]
+    if not lacking:
+        return 0.0  # no draft work: an idle router must be able to tell it did nothing
+    t0 = time.perf_counter()
+    await draft.wait()  # the previous step's prompt mirroring
+    spec.choose_ks(running, 0)  # sizes the proposals; a sequence held at k = 0 needs none
+    work = DraftWork()
+    for seq in lacking:
+        if seq.next_k > 0:
+            work.add(seq, list(seq.tokens), seq.next_k, 0, seq.request.sampling_proto, [], draft.budget)
+    tracer = spec.config.tracer
+    await draft.run(work, tracer.step(None, -1) if tracer is not None and work.entries else None)
+    return (time.perf_counter() - t0) * 1000
