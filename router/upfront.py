@@ -25,11 +25,12 @@ if TYPE_CHECKING:
     from router.speculator import Speculator
 
 
-def misses_worth_filling(spec: Speculator, decoders: list[Sequence]) -> list[Sequence]:
+def misses_worth_filling(spec: Speculator, decoders: list[Sequence]) -> tuple[list[Sequence], float]:
     """The decoders whose miss a plain proposal drafted now should fill: the set that most raises the
-    step's expected tokens per ms, its call's time (BranchCost, k rounds per entry) added to the step's.
-    A miss counts at what it emits without a fill (lookup's guess at lookup's acceptance, else one
-    token), a fill at the draft's acceptance with the sequence's cap; the rest at what they verify."""
+    step's expected tokens per ms, its call's time (BranchCost, k rounds per entry) added to the step's;
+    and how long that call may take before the step would have done better without it (ms). A miss
+    counts at what it emits without a fill (lookup's guess at lookup's acceptance, else one token), a
+    fill at the draft's acceptance with the sequence's cap; the rest at what they verify."""
     tokens = 0.0  # expected tokens the step emits without fills
     scored = 0  # tokens the target scores without fills
     missed: list[tuple[float, int, Sequence]] = []  # (gain, extra tokens scored, seq)
@@ -48,37 +49,45 @@ def misses_worth_filling(spec: Speculator, decoders: list[Sequence]) -> list[Seq
         if gain > 0:
             missed.append((gain, cap - len(looked), seq))
     if not missed:
-        return []
+        return [], 0.0
     n = len(decoders)
-    best, chosen = tokens / spec.cost.step_ms(scored, n), 0
+    unfilled = best = tokens / spec.cost.step_ms(scored, n)
+    chosen, worth_ms = 0, 0.0
     gained, extra, k = 0.0, 0, 0
     missed.sort(key=lambda m: m[0], reverse=True)
     for i, (gain, more, seq) in enumerate(missed, start=1):
         gained, extra, k = gained + gain, extra + more, max(k, spec.cap(seq))
-        fill_ms = spec.branch_cost.call_ms(k * i, 0)
-        goodput = (tokens + gained) / (spec.cost.step_ms(scored + extra, n) + fill_ms)
+        step_ms = spec.cost.step_ms(scored + extra, n)
+        goodput = (tokens + gained) / (step_ms + spec.branch_cost.call_ms(k * i, 0))
         if goodput > best * 1.0001:
             best, chosen = goodput, i
-    return [seq for _, _, seq in missed[:chosen]]
+            worth_ms = (tokens + gained) / unfilled - step_ms  # the call's time at which it stops paying
+    return [seq for _, _, seq in missed[:chosen]], worth_ms
 
 
 async def fill_misses(spec: Speculator) -> float:
     """Pipelined: fill the misses worth it (misses_worth_filling) with one plain Propose, if the draft
-    is idle (a call still in flight had its grace: Speculator.grace_ms). Returns its ms (critical path)."""
+    is idle (a call still in flight had its grace: Speculator.grace_ms). The step waits for the call
+    no longer than it is worth: a slow draft's fill lands after the step went on without it (the
+    target never waits for a draft past what its drafts pay for). Returns the wait (critical path)."""
     draft = spec.draft
     if not (draft.up and draft.idle):
         return 0.0
     decoders = [s for s in spec.scheduler.running if not s.prefilling and not s.finished]
-    fills = misses_worth_filling(spec, decoders)
-    if not fills:
-        return 0.0
-    t0 = time.perf_counter()
-    work = DraftWork()
+    fills, worth_ms = misses_worth_filling(spec, decoders)
+    work, kinds = DraftWork(), {}
     for seq in fills:
         if work.add(seq, list(seq.tokens), spec.cap(seq), 0, seq.request.sampling_proto, [], draft.budget):
-            spec.filled[seq.seq_id] = "wrong" if spec.prepared_for_outcome(seq) else "late"
+            kinds[seq.seq_id] = "wrong" if spec.prepared_for_outcome(seq) else "late"
+    if not work.entries:
+        return 0.0
+    t0 = time.perf_counter()
     tracer = spec.config.tracer
-    await draft.run(work, tracer.step(None, -1) if tracer is not None and work.entries else None)
+    draft.launch(lambda: work, tracer.step(None, -1) if tracer is not None else None)
+    await draft.wait(worth_ms / 1000)
+    draft.waited_for = True  # once per call (grace_ms): a fill that did not land is not waited for again
+    if draft.idle:
+        spec.filled.update(kinds)
     return (time.perf_counter() - t0) * 1000
 
 

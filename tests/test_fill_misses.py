@@ -4,8 +4,10 @@ the critical path. Decided by expected tokens per ms, without services."""
 
 from __future__ import annotations
 
+import pytest
+
 from router.core import GREEDY, Request, SamplingParams, Sequence
-from router.spec_policy import AcceptanceTracker
+from router.spec_policy import AcceptanceTracker, expected_tokens
 from router.speculation import Prepared
 from router.step_costs import BranchCost, StepCostModel
 from router.upfront import misses_worth_filling
@@ -39,34 +41,38 @@ def _spec(step_ms: float, per_entry_round_ms: float, per_token_ms: float = 1.0):
 
 def test_a_miss_at_high_acceptance_is_filled_when_the_draft_is_cheap():
     """The demo pair's case: a 15 ms step, a draft round of 1 ms; a miss would emit one token, a fill
-    of four drafts at acceptance 0.9 about four."""
+    of four drafts at acceptance 0.9 about four. The call may take as long as it still pays for: about
+    three steps' worth of tokens (4.1 against 1) for a step 4 ms longer."""
     spec = _spec(step_ms=15.0, per_entry_round_ms=1.0)
     seq = _seq(1, FRESH, draft_rate=0.9)
-    assert misses_worth_filling(spec, [seq]) == [seq]
+    fills, worth_ms = misses_worth_filling(spec, [seq])
+    assert fills == [seq]
+    expected = expected_tokens(0.9, 4) * 15.0 - spec.cost.step_ms(5)  # (tokens + gain) / goodput - step
+    assert worth_ms == pytest.approx(expected) and worth_ms > spec.branch_cost.call_ms(4, 0)
 
 
 def test_a_miss_whose_drafts_are_rarely_accepted_is_not_worth_a_dear_call():
     """SmolLM2's case: drafts accepted 0.2 of the time add 0.25 tokens to a 60 ms step, for a call
     of four 8 ms rounds."""
     spec = _spec(step_ms=60.0, per_entry_round_ms=8.0)
-    assert misses_worth_filling(spec, [_seq(1, FRESH, draft_rate=0.2)]) == []
+    assert misses_worth_filling(spec, [_seq(1, FRESH, draft_rate=0.2)])[0] == []
 
 
 def test_a_hit_needs_no_fill():
     spec = _spec(step_ms=15.0, per_entry_round_ms=1.0)
-    assert misses_worth_filling(spec, [_seq(1, FRESH, draft_rate=0.9, hit=True)]) == []
+    assert misses_worth_filling(spec, [_seq(1, FRESH, draft_rate=0.9, hit=True)])[0] == []
 
 
 def test_a_seeded_sequence_is_left_to_wait_for_its_own_proposal():
     """Seeded sampling never takes a guessed branch and waits for a plain proposal (decode_ready)."""
     spec = _spec(step_ms=15.0, per_entry_round_ms=1.0)
-    assert misses_worth_filling(spec, [_seq(1, FRESH, draft_rate=0.9, seed=7)]) == []
+    assert misses_worth_filling(spec, [_seq(1, FRESH, draft_rate=0.9, seed=7)])[0] == []
 
 
 def test_a_lookup_guess_as_good_as_the_drafts_needs_no_fill():
     spec = _spec(step_ms=15.0, per_entry_round_ms=1.0)
-    assert misses_worth_filling(spec, [_seq(1, REPEATING, draft_rate=0.6, lookup_rate=0.95)]) == []
-    assert misses_worth_filling(spec, [_seq(2, REPEATING, draft_rate=0.9, lookup_rate=0.1)]) != []
+    assert misses_worth_filling(spec, [_seq(1, REPEATING, draft_rate=0.6, lookup_rate=0.95)])[0] == []
+    assert misses_worth_filling(spec, [_seq(2, REPEATING, draft_rate=0.9, lookup_rate=0.1)])[0] != []
 
 
 def test_the_call_grows_with_the_misses_filled_and_the_likeliest_gains_go_first():
@@ -76,7 +82,7 @@ def test_the_call_grows_with_the_misses_filled_and_the_likeliest_gains_go_first(
     good = [_seq(i, FRESH, draft_rate=0.9) for i in range(1, 4)]
     poor = [_seq(i, FRESH, draft_rate=0.05) for i in range(4, 7)]
     hits = [_seq(i, FRESH, draft_rate=0.9, hit=True) for i in range(7, 17)]
-    chosen = misses_worth_filling(spec, [*poor, *hits, *good])
+    chosen, _ = misses_worth_filling(spec, [*poor, *hits, *good])
     assert {s.seq_id for s in chosen} == {1, 2, 3}
 
 
