@@ -257,6 +257,7 @@ class Speculator:
         # own. A sequence on lookup only because the draft had nothing ready for it (late) is not one:
         # resting the draft for it would keep it late, and on lookup, for as long as lookup has offers.
         idle_draft = self.pacing.slows_target() and not self.from_draft
+        dormant = idle_draft and self.draft_dormant()
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
                 if idle_draft and seq.seq_id in self.from_lookup and self._prefers_lookup(seq, seq.next_k, len(drafts)):
@@ -266,18 +267,28 @@ class Speculator:
                     cands.append((seq, seq.tokens + drafts, Candidate(seq.seq_id, len(drafts), rate, seq.next_k)))
             for c in plan.chunks:
                 cap = self.cap(c.seq)
-                if c.emit and cap > 0 and not c.seq.request.reproducible:
+                if c.emit and cap > 0 and not c.seq.request.reproducible and not dormant:
                     cands.append((c.seq, list(c.seq.tokens), Candidate(c.seq.seq_id, 0, c.seq.tracker.rate, cap)))
         budget_ms = self.cost.step_ms(plan.num_tokens, len(plan.sequences))
         branches = plan_branches([c for _, _, c in cands], self.draft.stats, self._branch_budget(cands, budget_ms))
         planned = {seq.seq_id for seq, _, _ in cands}
         for c in plan.chunks:  # mirrored first: they are the draft's prefill
-            if c.seq.seq_id not in planned:
+            if c.seq.seq_id not in planned and not dormant:
                 work.add(c.seq, c.seq.tokens[:c.end], 0, 0, c.seq.request.sampling_proto, [], budget)
         for seq, base, cand in cands:
             work.add(seq, base, cand.k, cand.v, seq.request.sampling_proto, branches[seq.seq_id], budget)
         self._add_plain(work, budget)
         return work
+
+    def draft_dormant(self) -> bool:
+        """Whether the draft should not even mirror prompts: at the pooled acceptance of its proposals a
+        new sequence would not draft at any depth (choose_k), so where it slows the target its prompt
+        work is pure cost (SmolLM2's draft, accepted 0.2-0.3, costs a quarter of the target a token: its
+        lm_head is most of it). A sequence the policy drafts for later catches up in its first call
+        (DraftWork.add); while nothing is drafted the pool drifts back toward its prior, so a dormant
+        draft wakes now and then and is measured again."""
+        rate = self.draft_acceptance.pooled.rate
+        return self.config.dynamic_k and choose_k([rate], [self.k_max], 0, self.cost, self.draft_cost)[0] == 0
 
     def waiting_work(self) -> DraftWork:
         """Nothing could run: what the sequences waiting for the draft need."""

@@ -530,3 +530,28 @@ def test_contention_is_measured_on_decode_only_steps():
     for _ in range(40):
         step(decode, True, 1.3)
     assert spec.pacing.contention.factor == pytest.approx(1.3, rel=0.05), "busy decodes that are slower are"
+
+
+def test_a_draft_whose_proposals_no_new_sequence_would_take_does_not_mirror_prompts_where_it_slows_the_target():
+    """SmolLM2's case: at the pooled acceptance of its proposals (0.2) a new sequence drafts at no
+    depth, and on shared compute mirroring a prompt into the draft only slows the target's prefill.
+    A draft worth drafting with, or one on its own compute, mirrors as before."""
+    from router.config import RouterConfig
+    from router.core import GREEDY, Request, Sequence
+    from router.scheduler import Chunk, StepPlan
+
+    def chunk_work(spec, pooled_rate: float) -> int:
+        spec.cost = StepCostModel(alpha=55.0, beta=25.0)  # a decode 80 ms, each draft verified 25 ms more
+        spec.draft_acceptance = AcceptancePool(AcceptanceTracker(accepted=100 * pooled_rate, tried=100.0))
+        req = Request(request_id="r1", prompt_ids=list(range(1, 41)), sampling=GREEDY, max_tokens=8)
+        seq = Sequence(seq_id=1, request=req, tokens=list(range(1, 41)), num_prompt=40)
+        return len(spec.step_work(StepPlan(chunks=[Chunk(seq, 0, 40)]), []).entries)
+
+    shared = _speculator("host/cpu/0-1")
+    assert shared.pacing.slows_target()
+    assert chunk_work(shared, pooled_rate=0.2) == 0, "dormant: nothing to mirror for"
+    assert chunk_work(_speculator("host/cpu/0-1"), pooled_rate=0.95) == 1
+    assert chunk_work(_speculator("host/cpu/1"), pooled_rate=0.2) == 1, "its own compute: mirroring is free"
+    static = _speculator("host/cpu/0-1")
+    static.config = RouterConfig(dynamic_k=False)
+    assert chunk_work(static, pooled_rate=0.2) == 1, "fixed k drafts whatever the acceptance"
