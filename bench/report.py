@@ -43,8 +43,9 @@ def latency_table(data: dict, run: dict) -> list[str]:
 
 def engine_table(data: dict, run: dict) -> list[str]:
     labels = _labels(data, run["pair"])
-    rows = ["| config | load | acceptance | drafts / verify | emitted / step | pipeline hits | misses late / wrong (filled) "
-            "| target busy | target ms / step | tokens / step | draft ms / step (critical path) "
+    rows = ["| config | load | acceptance | drafts / verify | emitted / step | pipeline hits "
+            "| misses late / wrong (filled) | target busy | target ms / step | tokens / step "
+            "| draft ms / step (critical path) "
             "| router+RPC ms / step | router+RPC / target | chained (not: draft late) "
             "| draft slowdown / pooled acceptance |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
