@@ -162,7 +162,7 @@ class Speculator:
         # the sequences it prepares proposals for, at the history each had when it was sent
         carried = {e.seq_id: len(base) - e.num_verifying for e, base in zip(work.entries, work.bases, strict=True)
                    if e.k > 0 or e.branches}
-        decoders = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
+        decoders = self.decoding()
         waiting = {s.seq_id for s in decoders
                    if carried.get(s.seq_id) == s.outcome_start and not self.prepared_for_outcome(s)}
         if not waiting:
@@ -186,6 +186,10 @@ class Speculator:
         elapsed = (time.perf_counter() - self.draft.started) * 1000
         expected = self.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
         return limit if expected - elapsed <= limit else 0.0
+
+    def decoding(self) -> list[Sequence]:
+        """The running sequences past their prompt."""
+        return [s for s in self.scheduler.running if not s.prefilling and not s.finished]
 
     @staticmethod
     def prepared_for_outcome(seq: Sequence) -> bool:
@@ -257,7 +261,7 @@ class Speculator:
         # own. A sequence on lookup only because the draft had nothing ready for it (late) is not one:
         # resting the draft for it would keep it late, and on lookup, for as long as lookup has offers.
         idle_draft = self.pacing.slows_target() and not self.from_draft
-        dormant = idle_draft and self.draft_dormant()
+        dormant = bool(plan.chunks) and idle_draft and self.draft_dormant()  # (only chunks are mirrored)
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
                 if idle_draft and seq.seq_id in self.from_lookup and self._prefers_lookup(seq, seq.next_k, len(drafts)):

@@ -33,7 +33,7 @@ def misses_worth_filling(spec: Speculator, decoders: list[Sequence]) -> tuple[li
     fill at the draft's acceptance with the sequence's cap; the rest at what they verify."""
     tokens = 0.0  # expected tokens the step emits without fills
     scored = 0  # tokens the target scores without fills
-    missed: list[tuple[float, int, Sequence]] = []  # (gain, extra tokens scored, seq)
+    missed: list[tuple[float, int, int, Sequence]] = []  # (gain, extra tokens scored, cap, seq)
     for seq in decoders:
         cap = spec.cap(seq)
         drafted = spec.proposal(seq)[0][:cap]
@@ -47,7 +47,7 @@ def misses_worth_filling(spec: Speculator, decoders: list[Sequence]) -> tuple[li
         scored += 1 + len(looked)
         gain = expected_tokens(seq.tracker.rate, cap) - fallback
         if gain > 0:
-            missed.append((gain, cap - len(looked), seq))
+            missed.append((gain, cap - len(looked), cap, seq))
     if not missed:
         return [], 0.0
     n = len(decoders)
@@ -55,14 +55,14 @@ def misses_worth_filling(spec: Speculator, decoders: list[Sequence]) -> tuple[li
     chosen, worth_ms = 0, 0.0
     gained, extra, k = 0.0, 0, 0
     missed.sort(key=lambda m: m[0], reverse=True)
-    for i, (gain, more, seq) in enumerate(missed, start=1):
-        gained, extra, k = gained + gain, extra + more, max(k, spec.cap(seq))
+    for i, (gain, more, cap, _) in enumerate(missed, start=1):
+        gained, extra, k = gained + gain, extra + more, max(k, cap)
         step_ms = spec.cost.step_ms(scored + extra, n)
         goodput = (tokens + gained) / (step_ms + spec.branch_cost.call_ms(k * i, 0))
         if goodput > best * 1.0001:
             best, chosen = goodput, i
             worth_ms = (tokens + gained) / unfilled - step_ms  # the call's time at which it stops paying
-    return [seq for _, _, seq in missed[:chosen]], worth_ms
+    return [seq for *_, seq in missed[:chosen]], worth_ms
 
 
 async def fill_misses(spec: Speculator) -> float:
@@ -73,8 +73,7 @@ async def fill_misses(spec: Speculator) -> float:
     draft = spec.draft
     if not (draft.up and draft.idle):
         return 0.0
-    decoders = [s for s in spec.scheduler.running if not s.prefilling and not s.finished]
-    fills, worth_ms = misses_worth_filling(spec, decoders)
+    fills, worth_ms = misses_worth_filling(spec, spec.decoding())
     work, kinds = DraftWork(), {}
     for seq in fills:
         if work.add(seq, list(seq.tokens), spec.cap(seq), 0, seq.request.sampling_proto, [], draft.budget):
