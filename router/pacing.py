@@ -7,6 +7,8 @@ some decode-only steps rest the draft to keep the measurement current."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from router.drafting import DraftLane
 from router.scheduler import StepPlan
 from router.step_costs import Contention
@@ -17,11 +19,12 @@ QUIET_PROBES = 8  # a draft that does not slow the target is probed this many ti
 
 
 class DraftPacing:
-    def __init__(self, pipeline: bool, draft: DraftLane, target_compute: str = "") -> None:
+    def __init__(self, pipeline: bool, draft: DraftLane, price: Callable[[int, int], float],
+                 target_compute: str = "") -> None:
         self.pipeline = pipeline
         self.draft = draft
         self.target_compute = target_compute  # ModelInfo.compute_id of the target
-        self.contention = Contention()  # how much slower the target runs while the draft works
+        self.contention = Contention(price)  # how much slower the target runs while the draft works
 
     def shares_compute(self) -> bool:
         """Draft and target on the same cores or GPU: every branch the draft prepares slows the target."""

@@ -27,7 +27,7 @@ class Speculator:
         self.draft = draft
         self.max_model_len = max_model_len
         self.cost = StepCostModel()  # the target's step time with the draft idle; observe_step feeds it
-        self.pacing = DraftPacing(config.pipeline, draft, target_compute)  # ... and how much slower it runs
+        self.pacing = DraftPacing(config.pipeline, draft, self.cost.step_ms, target_compute)  # how much slower it runs
         self.draft_cost = DraftCost(pipelined=config.pipeline)
         self.branch_cost = BranchCost()
         self.wait_odds = Odds()  # how often a wait for the draft saw its call arrive (grace_ms)
@@ -215,7 +215,7 @@ class Speculator:
         where busy and idle decode steps took the same time."""
         tokens, seqs = plan.num_tokens, len(plan.sequences)
         if not plan.chunks:
-            self.pacing.contention.observe(wall_ms, self.cost.step_ms(tokens, seqs), draft_busy)
+            self.pacing.contention.observe(wall_ms, tokens, seqs, draft_busy)
         self.draft_cost.slowdown = slowdown = self.pacing.contention.factor
         self.cost.observe(tokens, wall_ms / slowdown if draft_busy else wall_ms, seqs)
 

@@ -7,43 +7,48 @@ chooses k with them.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
 @dataclass
 class Contention:
     """How much slower the target's steps run while the draft works (draft and target sharing cores or
-    a GPU): the decayed mean of observed / modelled step time on steps with the draft busy, over the
-    same on steps with it idle. Each mean decays only with its own samples, so the estimate outlives a
-    long run of one kind (a draft busy on every step, or one the policy stopped using). 1.0 until both
-    kinds have been seen a few times (`measured`), and never below 1."""
+    a GPU): the mean of observed / modelled step time over recent steps with the draft busy, over the
+    same on recent steps with it idle. Each side keeps its own last samples, so the estimate outlives a
+    long run of one kind (a draft busy on every step, or one the policy stopped using), and every sample
+    is priced again by the current model (`price`, the target's step time at draft-idle speed): a ratio
+    fixed when taken would keep the model's error of that moment. SmolLM2 on shared cores: the first
+    idle steps, priced by the priors at 15-17 ms, took 110-130, and that idle mean held the factor at
+    1.0 for a whole load while busy steps ran 1.2x slower. 1.0 until both kinds have been seen a few
+    times (`measured`), and never below 1."""
 
-    busy: float = 0.0
-    n_busy: float = 0.0
-    idle: float = 0.0
-    n_idle: float = 0.0
-    decay: float = 0.95
+    price: Callable[[int, int], float]  # (tokens, seqs) -> ms
+    busy: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=BUSY_SAMPLES))
+    idle: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=IDLE_SAMPLES))
+    factor: float = 1.0
 
-    def observe(self, observed_ms: float, modelled_ms: float, draft_busy: bool) -> None:
-        ratio = observed_ms / max(modelled_ms, 1e-6)
-        if draft_busy:
-            self.busy, self.n_busy = self.decay * self.busy + ratio, self.decay * self.n_busy + 1
-        else:
-            self.idle, self.n_idle = self.decay * self.idle + ratio, self.decay * self.n_idle + 1
+    def observe(self, observed_ms: float, tokens: int, seqs: int, draft_busy: bool) -> None:
+        (self.busy if draft_busy else self.idle).append((observed_ms, tokens, seqs))
+        if self.measured:
+            self.factor = max(1.0, self._mean_ratio(self.busy) / self._mean_ratio(self.idle))
+
+    def _mean_ratio(self, samples: deque[tuple[float, int, int]]) -> float:
+        return sum(ms / max(self.price(tokens, seqs), 1e-6) for ms, tokens, seqs in samples) / len(samples)
 
     @property
     def measured(self) -> bool:
         return self.seen(busy=True) and self.seen(busy=False)
 
     def seen(self, busy: bool) -> bool:
-        """At least four steps of that kind (decayed counts: four make 3.7)."""
-        return (self.n_busy if busy else self.n_idle) >= 3.5
+        """At least MIN_SAMPLES steps of that kind."""
+        return len(self.busy if busy else self.idle) >= MIN_SAMPLES
 
-    @property
-    def factor(self) -> float:
-        if not self.measured:
-            return 1.0
-        return max(1.0, (self.busy / self.n_busy) / (self.idle / self.n_idle))
+
+MIN_SAMPLES = 4  # of each kind before the draft is charged a slowdown
+BUSY_SAMPLES = 32  # steps with the draft busy come every step: the last 32 follow a change of load
+IDLE_SAMPLES = 8  # idle ones come one in pacing.PROBE_EVERY steps: the last 8 span a few hundred
 
 
 # Steps of at most this many tokens are costed from their own observations, once seen. Where a

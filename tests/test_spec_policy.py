@@ -292,6 +292,11 @@ def _speculator(draft_compute: str, pipeline: bool = True):
     return Speculator(config, Scheduler(config, CacheGeometry(64, 16), None), lane, 512, 4, "host/cpu/0-1")
 
 
+def _observe_slowdown(spec, ratio: float, busy: bool) -> None:
+    """A one-token decode step that took `ratio` times the model's price."""
+    spec.pacing.contention.observe(ratio * spec.cost.step_ms(1, 1), 1, 1, draft_busy=busy)
+
+
 def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_be_measured():
     """The draft's cost on shared compute is the target's slowdown while it works; with work on every
     step there would be no idle step to compare with. Decode-only steps rest it until four idle steps
@@ -304,7 +309,7 @@ def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_
     decode_only = StepPlan()
     assert spec.pacing.rests(decode_only, 1), "nothing measured idle yet"
     for _ in range(4):
-        spec.pacing.contention.observe(10.0, 10.0, draft_busy=False)
+        _observe_slowdown(spec, 1.0, busy=False)
     assert not any(spec.pacing.rests(decode_only, s) for s in range(1, PROBE_EVERY))
     assert spec.pacing.rests(decode_only, PROBE_EVERY)
     req = Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=4)
@@ -328,13 +333,13 @@ def test_a_draft_on_other_cores_is_probed_too_and_treated_as_shared_once_it_meas
     assert not spec.pacing.shares_compute()
     assert spec.pacing.rests(decode_only, 1), "nothing measured idle yet"
     for _ in range(4):
-        spec.pacing.contention.observe(10.0, 10.0, draft_busy=False)
-        spec.pacing.contention.observe(10.2, 10.0, draft_busy=True)
+        _observe_slowdown(spec, 1.0, busy=False)
+        _observe_slowdown(spec, 1.02, busy=True)
     assert not spec.pacing.slows_target(), "a 2% difference is noise"
     quiet = PROBE_EVERY * QUIET_PROBES
     assert [s for s in range(1, quiet + 1) if spec.pacing.rests(decode_only, s)] == [quiet]
     for _ in range(40):
-        spec.pacing.contention.observe(12.0, 10.0, draft_busy=True)
+        _observe_slowdown(spec, 1.2, busy=True)
     assert spec.pacing.slows_target()
     assert [s for s in range(1, PROBE_EVERY + 1) if spec.pacing.rests(decode_only, s)] == [PROBE_EVERY]
     cands = [(None, [], Candidate(seq_id, 0, 0.7, 4)) for seq_id in range(3)]
@@ -369,8 +374,8 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
     assert prepared_for(own_device) == {1, 2}
     slowed = _speculator("host/cpu/1")
     for _ in range(10):
-        slowed.pacing.contention.observe(10.0, 10.0, draft_busy=False)
-        slowed.pacing.contention.observe(13.0, 10.0, draft_busy=True)
+        _observe_slowdown(slowed, 1.0, busy=False)
+        _observe_slowdown(slowed, 1.3, busy=True)
     assert prepared_for(slowed) == {2}
     assert prepared_for(_speculator("host/cpu/0-1")) == {2}, "shared compute: no measurement needed"
     assert prepared_for(_speculator("host/cpu/0-1"), late=True) == {1, 2}, \
@@ -518,18 +523,18 @@ def test_contention_is_measured_on_decode_only_steps():
     seq = Sequence(1, Request(request_id="r1", prompt_ids=list(range(200)), sampling=GREEDY, max_tokens=8))
     decode, chunk = StepPlan(decodes=[(seq, 0)]), StepPlan(chunks=[Chunk(seq, 0, 128)])
 
-    def step(plan: StepPlan, busy: bool, ratio: float) -> None:
-        spec.observe_step(plan, ratio * spec.cost.step_ms(plan.num_tokens, len(plan.sequences)), busy)
+    def step(plan: StepPlan, busy: bool, ms: float) -> None:
+        spec.observe_step(plan, ms, busy)
 
     for _ in range(10):
-        step(decode, False, 1.0)
-        step(decode, True, 1.0)
-        step(chunk, True, 1.5)  # mispriced by the line, not slowed
+        step(decode, False, 20.0)
+        step(decode, True, 20.0)
+        step(chunk, True, 1.5 * spec.cost.step_ms(128, 1))  # mispriced by the line, not slowed
     assert spec.pacing.contention.factor == pytest.approx(1.0)
     assert not spec.pacing.slows_target()
     for _ in range(40):
-        step(decode, True, 1.3)
-    assert spec.pacing.contention.factor == pytest.approx(1.3, rel=0.05), "busy decodes that are slower are"
+        step(decode, True, 26.0)
+    assert spec.pacing.contention.factor == pytest.approx(1.3, rel=0.01), "busy decodes that are slower are"
 
 
 def test_a_draft_whose_proposals_no_new_sequence_would_take_does_not_mirror_prompts_where_it_slows_the_target():

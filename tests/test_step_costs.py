@@ -146,33 +146,51 @@ def test_branch_cost_charges_every_sequence_s_rounds_so_a_busy_call_affords_fewe
     assert sixteen == 0  # the rounds alone overrun the step: no branches beyond one per sequence
 
 
+def _flat(tokens: int, seqs: int) -> float:
+    return 10.0
+
+
 def test_contention_is_the_slowdown_of_steps_with_the_draft_busy_and_never_below_one():
-    c = Contention()
+    c = Contention(_flat)
     for _ in range(3):
-        c.observe(15.0, 10.0, draft_busy=True)
-        c.observe(10.0, 10.0, draft_busy=False)
+        c.observe(15.0, 1, 1, draft_busy=True)
+        c.observe(10.0, 1, 1, draft_busy=False)
     assert c.factor == 1.0, "too few samples of each kind: no charge yet"
     for _ in range(20):
-        c.observe(15.0, 10.0, draft_busy=True)
-        c.observe(10.0, 10.0, draft_busy=False)
+        c.observe(15.0, 1, 1, draft_busy=True)
+        c.observe(10.0, 1, 1, draft_busy=False)
     assert c.factor == pytest.approx(1.5)
     for _ in range(400):
-        c.observe(9.0, 10.0, draft_busy=True)
-        c.observe(10.0, 10.0, draft_busy=False)
+        c.observe(9.0, 1, 1, draft_busy=True)
+        c.observe(10.0, 1, 1, draft_busy=False)
     assert c.factor == 1.0, "a draft on its own device does not speed the target up"
 
 
 def test_a_contention_estimate_outlives_a_long_run_of_steps_of_one_kind():
     """A pipelined draft busy on every step, or one the policy stopped using, must not erase what was
-    measured: each mean moves only with its own samples."""
-    c = Contention()
+    measured: each side keeps its own last samples."""
+    c = Contention(_flat)
     for _ in range(10):
-        c.observe(14.0, 10.0, draft_busy=True)
-        c.observe(10.0, 10.0, draft_busy=False)
+        c.observe(14.0, 1, 1, draft_busy=True)
+        c.observe(10.0, 1, 1, draft_busy=False)
     assert c.measured and c.factor == pytest.approx(1.4)
     for _ in range(1000):
-        c.observe(10.0, 10.0, draft_busy=False)
+        c.observe(10.0, 1, 1, draft_busy=False)
     assert c.factor == pytest.approx(1.4)
     for _ in range(1000):
-        c.observe(14.0, 10.0, draft_busy=True)
+        c.observe(14.0, 1, 1, draft_busy=True)
     assert c.factor == pytest.approx(1.4)
+
+
+def test_contention_prices_every_sample_by_the_model_as_it_is_now_not_as_it_was_when_taken():
+    """The first idle steps of a load are priced by a model still at its priors (SmolLM2: 15 ms for a
+    step that took 110): a ratio kept from then would read every later busy step as no slower."""
+    model = StepCostModel()
+    c = Contention(model.step_ms)
+    for _ in range(4):  # the load's first steps rest the draft; the model knows nothing yet
+        c.observe(110.0, 4, 4, draft_busy=False)
+        model.observe(4, 110.0, 4)
+    for _ in range(40):
+        c.observe(132.0, 4, 4, draft_busy=True)
+        model.observe(4, 132.0 / c.factor, 4)
+    assert c.factor == pytest.approx(1.2, rel=0.02)
