@@ -64,6 +64,8 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
         "pipeline_miss_wrong": _ratio(_get(d, "tandem:pipeline_misses_total", reason="wrong"), lookups),
         # ... and the misses the draft filled before the step, on its critical path (router.upfront)
         "pipeline_fills": _ratio(_get(d, "tandem:pipeline_fills_total"), lookups),
+        # pipelined steps whose proposals were drafted before them instead (Speculator.drafts_upfront)
+        "upfront_share": _ratio(_get(d, "tandem:upfront_steps_total"), steps),
         # steps sent behind the one running (router.chain): their round trip overlapped the target's forward
         "chained_share": _ratio(_get(d, "tandem:chained_steps_total"), steps),
         # ... and why the others were not: the plan needed the step's outcome (chunks, admissions, a

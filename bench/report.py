@@ -45,7 +45,7 @@ def engine_table(data: dict, run: dict) -> list[str]:
     labels = _labels(data, run["pair"])
     rows = ["| config | load | acceptance | drafts / verify | emitted / step | pipeline hits "
             "| misses late / wrong (filled) | target busy | target ms / step | tokens / step "
-            "| draft ms / step (critical path) "
+            "| draft ms / step, critical path (upfront steps) "
             "| router+RPC ms / step | router+RPC / target | chained (not: draft late) "
             "| draft slowdown / pooled acceptance |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -61,7 +61,8 @@ def engine_table(data: dict, run: dict) -> list[str]:
                 f"{_n(e.get('pipeline_miss_wrong'), '{:.0%}')} ({_n(e.get('pipeline_fills'), '{:.0%}')}) "
                 f"| {_n(e.get('target_busy'), '{:.0%}')} "
                 f"| {_n(e.get('target_ms_per_step'))} | {_n(e.get('tokens_per_step'), '{:.0f}')} "
-                f"| {_n(e.get('draft_ms_per_step'))} | {_n(e.get('router_ms_per_step'))} "
+                f"| {_n(e.get('draft_ms_per_step'))} ({_n(e.get('upfront_share'), '{:.0%}')}) "
+                f"| {_n(e.get('router_ms_per_step'))} "
                 f"| {_n(e.get('router_over_target'), '{:.1%}')} | {_n(e.get('chained_share'), '{:.0%}')} "
                 f"({_n(e.get('unchained_draft_late'), '{:.0%}')}) "
                 f"| {_n(e.get('draft_slowdown'), '{:.2f}')} / {_n(e.get('pooled_acceptance_draft'), '{:.2f}')} |")

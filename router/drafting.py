@@ -123,7 +123,7 @@ class DraftLane:
         self.in_flight: DraftWork | None = None  # the call's work, while it runs
         self.started = 0.0  # perf_counter() when it was sent
         self.ended = 0.0  # perf_counter() when the last call ended
-        self.waited_for = False  # a step already waited for it (Speculator.grace_ms: once per call)
+        self.waited_for = False  # a step already waited for it (upfront.grace_ms: once per call)
         self._reconnect: asyncio.Task | None = None
         self._releases: list[int] = []  # kept while the draft is unreachable
         self._expect: tuple[str, int] | None = None  # (tokenizer fingerprint, vocab) of the target

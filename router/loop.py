@@ -1,6 +1,6 @@
 """The step loop: schedule, send the target one mixed Step, hand the draft its work for the same
 step in the background, apply what the target emitted. The target never waits for the draft, except
-for a call due within what its proposals are worth (Speculator.grace_ms), once per call.
+for a call due within what its proposals are worth (upfront.grace_ms), once per call.
 
     iteration t:   schedule (decodes use the prepared proposal that continues their history)
                    target.Step(decodes + chunks)   ||   draft.Propose(chunks mirrored; branches for the
@@ -35,7 +35,7 @@ from router.speculator import Speculator
 from router.step_entries import step_entries
 from router.step_faults import StepFaults
 from router.step_results import StepResults
-from router.upfront import fill_misses, sequential_proposals
+from router.upfront import drafts_upfront, fill_misses, grace_ms, sequential_proposals
 from tandem.v1 import target_pb2
 
 if TYPE_CHECKING:
@@ -100,9 +100,12 @@ class StepLoop:
             await self.release_now(ids)
         if self._chained is not None:
             return await self._chained_iteration(t_start)
-        draft_ms = await self._grace() if self.config.pipeline else await sequential_proposals(self.spec)
-        self.spec.new_step()
-        if self.config.pipeline:
+        upfront = not self.config.pipeline or self.spec.upfront  # the last step left its proposals to now
+        draft_ms = await sequential_proposals(self.spec) if upfront else await self._grace()
+        self.spec.new_step(upfront=self.config.pipeline and upfront)
+        if self.spec.drafted_upfront:
+            self.metrics.upfront_steps.inc()
+        if not upfront:
             draft_ms += await self._fill()
         only = self.faults.next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
@@ -173,8 +176,10 @@ class StepLoop:
                                               [chained.sent[i] for i in live], None)
 
     def _launch_draft(self, plan: StepPlan, sent: list[list[int]], trace: StepTrace | None) -> bool:
-        """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle."""
-        if not (self.draft.up and self.draft.idle) or self.spec.pacing.rests(plan, self.steps):
+        """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle
+        and the decoders' proposals are not better drafted before the next step (upfront.drafts_upfront)."""
+        self.spec.upfront = drafts_upfront(self.spec, plan)
+        if self.spec.upfront or not (self.draft.up and self.draft.idle) or self.spec.pacing.rests(plan, self.steps):
             return False
         self.draft.launch(lambda: self.spec.step_work(plan, sent), trace)  # planned while the Step is sent
         return True
@@ -257,13 +262,13 @@ class StepLoop:
         self._chained = ChainedStep(seqs, alts, ks, ticket)
 
     async def _grace(self) -> float:
-        """Wait briefly for a draft call about to land with proposals this step needs (Speculator.grace_ms)."""
-        grace_ms = self.spec.grace_ms()
-        if grace_ms <= 0:
+        """Wait briefly for a draft call about to land with proposals this step needs (upfront.grace_ms)."""
+        wait_ms = grace_ms(self.spec)
+        if wait_ms <= 0:
             return 0.0
         t0 = time.perf_counter()
         self.draft.waited_for = True
-        await self.draft.wait(grace_ms / 1000)
+        await self.draft.wait(wait_ms / 1000)
         self.spec.wait_odds.observe(self.draft.idle)
         self.metrics.pipeline_waits.labels(outcome="arrived" if self.draft.idle else "timed_out").inc()
         return (time.perf_counter() - t0) * 1000

@@ -53,6 +53,10 @@ class Metrics:
         self.pipeline_fills = Counter("tandem:pipeline_fills", "Pipeline misses filled: the draft proposed for them "
                                       "before the step (on its critical path), where that was worth its time",
                                       registry=r)
+        self.upfront_steps = Counter("tandem:upfront_steps", "Pipelined steps whose proposals the draft made before "
+                                     "them (on their critical path, as without pipelining): on compute it shares "
+                                     "with the target, branches beside the step ahead would have slowed it more "
+                                     "than the call cost", registry=r)
         self.pipeline_waits = Counter("tandem:pipeline_waits", "Steps that waited (at most what the proposals "
                                       "were worth) for a draft call about to land with them: arrived or timed_out "
                                       "(the step then ran without them)", ["outcome"], registry=r)

@@ -4,7 +4,6 @@ outcomes, plain proposals where a guess will not do). The step loop asks; this m
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 from router.config import RouterConfig
@@ -12,7 +11,7 @@ from router.core import Sequence
 from router.drafting import DraftLane, DraftWork
 from router.pacing import DraftPacing
 from router.scheduler import Scheduler, StepPlan
-from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens, worth_waiting_ms
+from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens
 from router.speculation import Candidate, Proposal, best_proposal, plan_branches, prune
 from router.step_costs import BranchCost, DraftCost, StepCostModel
 from tandem.v1 import common_pb2
@@ -40,6 +39,8 @@ class Speculator:
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
         self.filled: dict[int, str] = {}  # decoders whose miss (late / wrong) a plain proposal filled (upfront.py)
+        self.upfront = False  # the step sent last leaves its decoders' proposals to before the next (drafts_upfront)
+        self.drafted_upfront = False  # ... and this step's proposals were drafted so: not the pipeline's
         draft.on_cost = self._observe_draft
 
     # ---- k and proposals ------------------------------------------------------------------------
@@ -147,46 +148,6 @@ class Speculator:
             self.from_draft.add(seq.seq_id)
         return min(k, len(chosen[0]))
 
-    def grace_ms(self) -> float:
-        """How long the next step should wait for the draft call in flight: it carries the branches for
-        the outcome some decoders just had, and arriving a moment late it would leave them at k = 0 (or
-        a weaker lookup guess) for a whole step. Worth its expected tokens when a branch names the
-        outcome (as often as past branches did), at the odds past waits had (worth_waiting_ms), and
-        only if the call is due within that time (BranchCost's estimate; an overdue call may be about
-        to land too: on shared cores a call slows while the target computes and finishes fast once it
-        is done). Once per call; a slow or stuck draft makes the waits time out, and the odds fall
-        until no wait is worth it: it never paces the target."""
-        work = self.draft.in_flight
-        if not self.config.pipeline or work is None or self.draft.waited_for or not self.draft.up:
-            return 0.0
-        # the sequences it prepares proposals for, at the history each had when it was sent
-        carried = {e.seq_id: len(base) - e.num_verifying for e, base in zip(work.entries, work.bases, strict=True)
-                   if e.k > 0 or e.branches}
-        decoders = self.decoding()
-        waiting = {s.seq_id for s in decoders
-                   if carried.get(s.seq_id) == s.outcome_start and not self.prepared_for_outcome(s)}
-        if not waiting:
-            return 0.0
-        tokens = gain = 0.0
-        drafted = 0
-        for seq in decoders:
-            cap = self.cap(seq)
-            drafted += cap
-            with_draft = expected_tokens(seq.tracker.rate, cap)
-            if seq.seq_id in waiting and cap:
-                fallback = expected_tokens(seq.lookup_tracker.rate, len(self.lookup(seq)[0][:cap]))
-                tokens += fallback
-                gain += max(0.0, with_draft - fallback) * self.match_odds.rate  # if a branch names the outcome
-            else:
-                tokens += with_draft
-        if gain == 0:
-            return 0.0
-        step_ms = self.cost.step_ms(len(decoders) + drafted, len(decoders)) * self.pacing.contention.factor
-        limit = worth_waiting_ms(step_ms, tokens, gain, self.wait_odds.rate)
-        elapsed = (time.perf_counter() - self.draft.started) * 1000
-        expected = self.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
-        return limit if expected - elapsed <= limit else 0.0
-
     def decoding(self) -> list[Sequence]:
         """The running sequences past their prompt."""
         return [s for s in self.scheduler.running if not s.prefilling and not s.finished]
@@ -227,7 +188,7 @@ class Speculator:
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
         late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
-        if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_over_draft:
+        if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_over_draft or self.drafted_upfront:
             return None
         if seq.seq_id in self.filled:
             return self.filled[seq.seq_id]
@@ -235,7 +196,8 @@ class Speculator:
             return "hit"
         return "late" if seq.seq_id in self.late else "wrong"
 
-    def new_step(self) -> None:
+    def new_step(self, upfront: bool = False) -> None:
+        self.drafted_upfront = upfront
         self.matched.clear()
         self.late.clear()
         self.from_draft.clear()

@@ -1,6 +1,8 @@
 """Draft calls made before a step, on its critical path: sequential mode's plain proposals
-(--no-pipeline), and, pipelined, a plain proposal for the decoders whose prepared branches missed
-their outcome, where it is worth its time (a fill).
+(--no-pipeline), and, pipelined, a short wait for a call about to land with the branches the step
+needs (grace_ms), a plain proposal for the decoders whose prepared branches missed their outcome,
+where it is worth its time (a fill), and plain proposals for every decoder where branches beside
+the step before would have slowed it more than such a call costs (drafts_upfront).
 
     pipelined, step t answered:  hit   the branch prepared for its outcome is verified at once
                                  miss  k = 0 or a prompt-lookup guess in step t+1 ...
@@ -19,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from router.core import Sequence
 from router.drafting import DraftWork
-from router.spec_policy import expected_tokens
+from router.scheduler import StepPlan
+from router.spec_policy import expected_tokens, worth_waiting_ms
 
 if TYPE_CHECKING:
     from router.speculator import Speculator
@@ -65,9 +68,68 @@ def misses_worth_filling(spec: Speculator, decoders: list[Sequence]) -> tuple[li
     return [seq for *_, seq in missed[:chosen]], worth_ms
 
 
+def grace_ms(spec: Speculator) -> float:
+    """How long the next step should wait for the draft call in flight: it carries the branches for
+    the outcome some decoders just had, and arriving a moment late it would leave them at k = 0 (or
+    a weaker lookup guess) for a whole step. Worth its expected tokens when a branch names the
+    outcome (as often as past branches did), at the odds past waits had (worth_waiting_ms), and
+    only if the call is due within that time (BranchCost's estimate; an overdue call may be about
+    to land too: on shared cores a call slows while the target computes and finishes fast once it
+    is done). Once per call; a slow or stuck draft makes the waits time out, and the odds fall
+    until no wait is worth it: it never paces the target."""
+    work = spec.draft.in_flight
+    if not spec.config.pipeline or work is None or spec.draft.waited_for or not spec.draft.up:
+        return 0.0
+    # the sequences it prepares proposals for, at the history each had when it was sent
+    carried = {e.seq_id: len(base) - e.num_verifying for e, base in zip(work.entries, work.bases, strict=True)
+               if e.k > 0 or e.branches}
+    decoders = spec.decoding()
+    waiting = {s.seq_id for s in decoders
+               if carried.get(s.seq_id) == s.outcome_start and not spec.prepared_for_outcome(s)}
+    if not waiting:
+        return 0.0
+    tokens = gain = 0.0
+    drafted = 0
+    for seq in decoders:
+        cap = spec.cap(seq)
+        drafted += cap
+        with_draft = expected_tokens(seq.tracker.rate, cap)
+        if seq.seq_id in waiting and cap:
+            fallback = expected_tokens(seq.lookup_tracker.rate, len(spec.lookup(seq)[0][:cap]))
+            tokens += fallback
+            gain += max(0.0, with_draft - fallback) * spec.match_odds.rate  # if a branch names the outcome
+        else:
+            tokens += with_draft
+    if gain == 0:
+        return 0.0
+    step_ms = spec.cost.step_ms(len(decoders) + drafted, len(decoders)) * spec.pacing.contention.factor
+    limit = worth_waiting_ms(step_ms, tokens, gain, spec.wait_odds.rate)
+    elapsed = (time.perf_counter() - spec.draft.started) * 1000
+    expected = spec.branch_cost.call_ms(work.rounds * len(work.entries), work.branches * max(1, work.rounds - 1))
+    return limit if expected - elapsed <= limit else 0.0
+
+
+def drafts_upfront(spec: Speculator, plan: StepPlan) -> bool:
+    """Whether the draft should propose for this step's decoders before the next step (a plain call on
+    the critical path, as without pipelining) instead of preparing branches for its outcomes beside
+    it. Where it slows the target, branches stretch the step by (slowdown - 1) x its time and hold
+    the outcome as often as past branches did (match_odds); drafted upfront, the call's time buys
+    the same drafts for sure. Demo pair, shared cores, c=4: steps of 22 ms ran 30 beside the branches
+    (1.4x) while a call of 4 rounds for 4 sequences took 10-12 ms, and sequential (4) beat pipelined
+    (6). Only on decode-only steps: beside prompt chunks the draft works anyway (it mirrors them)."""
+    if not (spec.config.pipeline and spec.config.dynamic_k) or plan.chunks or not spec.pacing.slows_target():
+        return False
+    ks = [seq.next_k for seq, _ in plan.decodes if seq.next_k > 0 and not seq.request.reproducible]
+    if not ks or not spec.pacing.contention.measured:
+        return False
+    call_ms = spec.branch_cost.call_ms(max(ks) * len(ks), 0)
+    stretch_ms = (spec.pacing.contention.factor - 1) * spec.cost.step_ms(plan.num_tokens, len(plan.sequences))
+    return call_ms * spec.match_odds.rate < stretch_ms
+
+
 async def fill_misses(spec: Speculator) -> float:
     """Pipelined: fill the misses worth it (misses_worth_filling) with one plain Propose, if the draft
-    is idle (a call still in flight had its grace: Speculator.grace_ms). The step waits for the call
+    is idle (a call still in flight had its grace: grace_ms). The step waits for the call
     no longer than it is worth: a slow draft's fill lands after the step went on without it (the
     target never waits for a draft past what its drafts pay for). Returns the wait (critical path)."""
     draft = spec.draft

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from router.spec_policy import AcceptancePool, AcceptanceTracker, Odds, choose_k, expected_tokens, worth_waiting_ms
 from router.step_costs import DraftCost, StepCostModel
+from router.upfront import drafts_upfront, grace_ms
 
 CPU = StepCostModel(alpha=10.0, beta=1.2)  # compute-bound: every scored token costs (the module's prior)
 GPU = StepCostModel(alpha=20.0, beta=0.02)  # memory-bound: scoring more tokens is nearly free
@@ -431,15 +432,15 @@ def test_the_next_step_waits_for_a_draft_call_about_to_land_with_the_proposal_a_
     _late_decoder(spec)
     for _ in range(30):
         spec.match_odds.observe(hit=True)  # its branches have held the outcome
-    assert spec.grace_ms() == pytest.approx(0.5 * spec.cost.step_ms(5, 1))
+    assert grace_ms(spec) == pytest.approx(0.5 * spec.cost.step_ms(5, 1))
     for _ in range(5):
         spec.wait_odds.observe(hit=False)
-    assert 0 < spec.grace_ms() < 0.45 * spec.cost.step_ms(5, 1), "waits that time out shrink the bet"
+    assert 0 < grace_ms(spec) < 0.45 * spec.cost.step_ms(5, 1), "waits that time out shrink the bet"
     for _ in range(30):
         spec.wait_odds.observe(hit=False)
-    assert spec.grace_ms() == 0, "... until a call due now is not worth waiting for"
+    assert grace_ms(spec) == 0, "... until a call due now is not worth waiting for"
     spec.draft.started -= 1.0  # overdue by a second: what a stuck draft's calls look like
-    assert spec.grace_ms() < 0.05 * spec.cost.step_ms(5, 1), "a stuck draft's waits timed out: a token bet at most"
+    assert grace_ms(spec) < 0.05 * spec.cost.step_ms(5, 1), "a stuck draft's waits timed out: a token bet at most"
 
 
 def test_no_wait_without_a_late_decoder_or_a_call_in_flight_or_for_a_call_waited_for_once():
@@ -448,21 +449,21 @@ def test_no_wait_without_a_late_decoder_or_a_call_in_flight_or_for_a_call_waited
     spec = _speculator("host/cpu/1")
     seq = _late_decoder(spec)
     seq.prepared.append(Prepared(4, (5,), (6, 7), ()))
-    assert spec.grace_ms() == 0, "its branch for this outcome is here already"
+    assert grace_ms(spec) == 0, "its branch for this outcome is here already"
     seq.prepared.clear()
-    assert spec.grace_ms() > 0
+    assert grace_ms(spec) > 0
     spec.draft.waited_for = True
-    assert spec.grace_ms() == 0, "one wait per call: a call that missed it is not waited for again"
+    assert grace_ms(spec) == 0, "one wait per call: a call that missed it is not waited for again"
     spec.draft.waited_for = False
     seq.outcome_start = 5
-    assert spec.grace_ms() == 0, "the call in flight was sent for an earlier outcome: it brings nothing for this one"
+    assert grace_ms(spec) == 0, "the call in flight was sent for an earlier outcome: it brings nothing for this one"
     seq.outcome_start = 4
     spec.draft.waited_for = False
     spec.draft.in_flight = None
-    assert spec.grace_ms() == 0
+    assert grace_ms(spec) == 0
     sequential = _speculator("host/cpu/1", pipeline=False)
     _late_decoder(sequential)
-    assert sequential.grace_ms() == 0, "sequential drafting awaits its proposals anyway"
+    assert grace_ms(sequential) == 0, "sequential drafting awaits its proposals anyway"
 
 
 def test_branches_that_rarely_hold_the_outcome_are_worth_a_shorter_wait():
@@ -470,10 +471,10 @@ def test_branches_that_rarely_hold_the_outcome_are_worth_a_shorter_wait():
     _late_decoder(spec)
     for _ in range(30):
         spec.match_odds.observe(hit=True)
-    sure = spec.grace_ms()
+    sure = grace_ms(spec)
     for _ in range(30):
         spec.match_odds.observe(hit=False)
-    assert spec.grace_ms() < 0.6 * sure
+    assert grace_ms(spec) < 0.6 * sure
 
 
 def test_a_draft_call_due_later_than_its_proposals_are_worth_is_not_waited_for():
@@ -481,11 +482,11 @@ def test_a_draft_call_due_later_than_its_proposals_are_worth_is_not_waited_for()
     is not waited for however good its proposals."""
     spec = _speculator("host/cpu/1")
     _late_decoder(spec, acceptance=0.05)
-    assert spec.grace_ms() == 0
+    assert grace_ms(spec) == 0
     slow = _speculator("host/cpu/1")
     slow.branch_cost.a = 100.0  # a call costs ten target steps
     _late_decoder(slow)
-    assert slow.grace_ms() == 0
+    assert grace_ms(slow) == 0
 
 
 def test_the_next_step_is_plain_only_where_no_decoder_would_take_drafts_whatever_this_one_emits():
@@ -560,3 +561,49 @@ def test_a_draft_whose_proposals_no_new_sequence_would_take_does_not_mirror_prom
     static = _speculator("host/cpu/0-1")
     static.config = RouterConfig(dynamic_k=False)
     assert chunk_work(static, pooled_rate=0.2) == 1, "fixed k drafts whatever the acceptance"
+
+
+def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_the_next_costs_the_draft_waits():
+    """On shared compute the branches prepared beside a step slow it by (slowdown - 1) x its time and
+    hold the outcome only as often as past branches did; a plain call before the next step costs its
+    own time and always holds. The cheaper wins, on decode-only steps (beside a prompt chunk the draft
+    works anyway), with dynamic k (a fixed-k pipeline stays pipelined), and only once a slowdown is
+    measured; a step drafted so is not the pipeline's to count."""
+    from router.config import RouterConfig
+    from router.core import GREEDY, Request, Sequence
+    from router.scheduler import Chunk, StepPlan
+
+    def decoder(seq_id: int) -> Sequence:
+        req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8)
+        seq = Sequence(seq_id=seq_id, request=req, tokens=[1, 2, 3, 4], num_prompt=3)
+        seq.next_k = 4
+        return seq
+
+    seqs = [decoder(i) for i in range(4)]
+    step = StepPlan(decodes=[(s, 4) for s in seqs])
+    spec = _speculator("host/cpu/0-1")
+    spec.cost = StepCostModel(alpha=10.0, beta=1.0)  # this 20-token step: 30 ms with the draft idle
+    spec.pacing.contention.price = spec.cost.step_ms
+    spec.branch_cost.a, spec.branch_cost.b = 1.0, 0.5  # 4 rounds for 4 sequences: 9 ms
+    assert not drafts_upfront(spec, step), "no slowdown measured yet"
+    for _ in range(8):
+        _observe_slowdown(spec, 1.0, busy=False)
+        _observe_slowdown(spec, 1.4, busy=True)
+    assert spec.pacing.contention.factor == pytest.approx(1.4)
+    assert drafts_upfront(spec, step), "9 ms for sure against 12 ms of stretch for half the outcomes"
+    spec.branch_cost.b = 2.0  # a slower draft: 33 ms, at odds 0.5 worth 16.5 ms of stretch
+    assert not drafts_upfront(spec, step)
+    spec.branch_cost.b = 0.5
+    prompt = Sequence(seq_id=9, request=Request(request_id="p", prompt_ids=list(range(40)), sampling=GREEDY,
+                                                max_tokens=8))
+    assert not drafts_upfront(spec, StepPlan(decodes=step.decodes, chunks=[Chunk(prompt, 0, 40)]))
+    spec.config = RouterConfig(dynamic_k=False)
+    assert not drafts_upfront(spec, step)
+
+    spec.config = RouterConfig()
+    spec.new_step(upfront=True)
+    spec.from_draft.add(seqs[0].seq_id)
+    assert spec.pipeline_outcome(seqs[0]) is None, "drafted before the step, not prepared beside the last"
+    spec.new_step()
+    spec.from_draft.add(seqs[0].seq_id)
+    assert spec.pipeline_outcome(seqs[0]) == "hit"
