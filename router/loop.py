@@ -100,12 +100,15 @@ class StepLoop:
             await self.release_now(ids)
         if self._chained is not None:
             return await self._chained_iteration(t_start)
-        upfront = not self.config.pipeline or self.spec.upfront  # the last step left its proposals to now
-        draft_ms = await sequential_proposals(self.spec) if upfront else await self._grace()
-        self.spec.new_step(upfront=self.config.pipeline and upfront)
-        if self.spec.drafted_upfront:
+        if not self.config.pipeline:
+            draft_ms = await sequential_proposals(self.spec)
+        elif self.spec.upfront:  # the last step left these decoders' proposals to now
+            draft_ms = await sequential_proposals(self.spec, only=self.spec.upfront)
             self.metrics.upfront_steps.inc()
-        if not upfront:
+        else:
+            draft_ms = await self._grace()
+        self.spec.new_step(upfront=self.spec.upfront)
+        if self.config.pipeline:
             draft_ms += await self._fill()
         only = self.faults.next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)

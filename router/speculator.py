@@ -39,8 +39,8 @@ class Speculator:
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
         self.filled: dict[int, str] = {}  # decoders whose miss (late / wrong) a plain proposal filled (upfront.py)
-        self.upfront = False  # the step sent last leaves its decoders' proposals to before the next (drafts_upfront)
-        self.drafted_upfront = False  # ... and this step's proposals were drafted so: not the pipeline's
+        self.upfront: set[int] = set()  # decoders whose next proposals are drafted before the next step
+        self.drafted_upfront: set[int] = set()  # ... and those whose proposals this step were: not the pipeline's
         draft.on_cost = self._observe_draft
 
     # ---- k and proposals ------------------------------------------------------------------------
@@ -188,7 +188,8 @@ class Speculator:
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
         late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
-        if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_over_draft or self.drafted_upfront:
+        if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_over_draft \
+                or seq.seq_id in self.drafted_upfront:
             return None
         if seq.seq_id in self.filled:
             return self.filled[seq.seq_id]
@@ -196,8 +197,8 @@ class Speculator:
             return "hit"
         return "late" if seq.seq_id in self.late else "wrong"
 
-    def new_step(self, upfront: bool = False) -> None:
-        self.drafted_upfront = upfront
+    def new_step(self, upfront: set[int] | None = None) -> None:
+        self.drafted_upfront, self.upfront = upfront or set(), set()
         self.matched.clear()
         self.late.clear()
         self.from_draft.clear()
@@ -229,12 +230,14 @@ class Speculator:
                 if idle_draft and seq.seq_id in self.from_lookup and self._prefers_lookup(seq, seq.next_k, len(drafts)):
                     continue
                 if seq.next_k > 0 and not seq.request.reproducible:
-                    rate = (seq.lookup_tracker if seq.seq_id in self.from_lookup else seq.tracker).rate
-                    cands.append((seq, seq.tokens + drafts, Candidate(seq.seq_id, len(drafts), rate, seq.next_k)))
+                    cands.append((seq, seq.tokens + drafts,
+                                  Candidate(seq.seq_id, len(drafts), self._verify_rate(seq), seq.next_k)))
             for c in plan.chunks:
                 cap = self.cap(c.seq)
                 if c.emit and cap > 0 and not c.seq.request.reproducible and not dormant:
                     cands.append((c.seq, list(c.seq.tokens), Candidate(c.seq.seq_id, 0, c.seq.tracker.rate, cap)))
+            if cands and not plan.chunks and not self.branches_pay(plan, [c for _, _, c in cands]):
+                cands = []
         budget_ms = self.cost.step_ms(plan.num_tokens, len(plan.sequences))
         branches = plan_branches([c for _, _, c in cands], self.draft.stats, self._branch_budget(cands, budget_ms))
         planned = {seq.seq_id for seq, _, _ in cands}
@@ -245,6 +248,24 @@ class Speculator:
             work.add(seq, base, cand.k, cand.v, seq.request.sampling_proto, branches[seq.seq_id], budget)
         self._add_plain(work, budget)
         return work
+
+    def branches_pay(self, plan: StepPlan, cands: list[Candidate]) -> bool:
+        """Where the draft slows the target, whether branches for a decode-only step's outcomes are worth
+        the stretch they cause: they name the outcome as often as past branches did (match_odds), each
+        hit worth its drafts' expected tokens beyond a plain decode's one, against (slowdown - 1) x the
+        tokens the step emits (its time, at its own tokens per ms). SmolLM2 on shared cores: branches
+        named 7-15% of the outcomes while slowing every step 1.1-1.25x, and the policy, pricing the
+        drafts in hand, kept drafting for a few sequences: (6) ran at 0.75-0.89x lookup alone (7).
+        Without branches the draft is idle beside the step; a miss may still be filled before the next."""
+        if not (self.config.dynamic_k and self.pacing.slows_target() and self.pacing.contention.measured):
+            return True
+        gain = self.match_odds.rate * sum(expected_tokens(c.a, c.k) - 1 for c in cands)
+        emitted = sum(expected_tokens(self._verify_rate(seq), k) for seq, k in plan.decodes)
+        return gain >= (self.pacing.contention.factor - 1) * emitted
+
+    def _verify_rate(self, seq: Sequence) -> float:
+        """The acceptance of the proposer whose drafts seq verifies this step."""
+        return (seq.lookup_tracker if seq.seq_id in self.from_lookup else seq.tracker).rate
 
     def draft_dormant(self) -> bool:
         """Whether the draft should not even mirror prompts: at the pooled acceptance of its proposals a

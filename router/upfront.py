@@ -109,22 +109,26 @@ def grace_ms(spec: Speculator) -> float:
     return limit if expected - elapsed <= limit else 0.0
 
 
-def drafts_upfront(spec: Speculator, plan: StepPlan) -> bool:
-    """Whether the draft should propose for this step's decoders before the next step (a plain call on
+def drafts_upfront(spec: Speculator, plan: StepPlan) -> set[int]:
+    """The decoders the draft should propose for before the next step (a plain call on
     the critical path, as without pipelining) instead of preparing branches for its outcomes beside
     it. Where it slows the target, branches stretch the step by (slowdown - 1) x its time and hold
     the outcome as often as past branches did (match_odds); drafted upfront, the call's time buys
     the same drafts for sure. Demo pair, shared cores, c=4: steps of 22 ms ran 30 beside the branches
     (1.4x) while a call of 4 rounds for 4 sequences took 10-12 ms, and sequential (4) beat pipelined
-    (6). Only on decode-only steps: beside prompt chunks the draft works anyway (it mirrors them)."""
+    (6). Only on decode-only steps: beside prompt chunks the draft works anyway (it mirrors them).
+    Only the decoders verifying the draft's proposal now: one on prompt lookup keeps to lookup
+    (SmolLM2 at c=16: drafting for every decoder with k > 0 put 40 ms of draft a step on the
+    critical path for sequences that took lookup's guesses). Empty: branches, as pipelined."""
     if not (spec.config.pipeline and spec.config.dynamic_k) or plan.chunks or not spec.pacing.slows_target():
-        return False
-    ks = [seq.next_k for seq, _ in plan.decodes if seq.next_k > 0 and not seq.request.reproducible]
-    if not ks or not spec.pacing.contention.measured:
-        return False
-    call_ms = spec.branch_cost.call_ms(max(ks) * len(ks), 0)
+        return set()
+    wanting = [seq for seq, _ in plan.decodes
+               if seq.seq_id in spec.from_draft and seq.next_k > 0 and not seq.request.reproducible]
+    if not wanting or not spec.pacing.contention.measured:
+        return set()
+    call_ms = spec.branch_cost.call_ms(max(s.next_k for s in wanting) * len(wanting), 0)
     stretch_ms = (spec.pacing.contention.factor - 1) * spec.cost.step_ms(plan.num_tokens, len(plan.sequences))
-    return call_ms * spec.match_odds.rate < stretch_ms
+    return {s.seq_id for s in wanting} if call_ms * spec.match_odds.rate < stretch_ms else set()
 
 
 async def fill_misses(spec: Speculator) -> float:
@@ -152,13 +156,14 @@ async def fill_misses(spec: Speculator) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-async def sequential_proposals(spec: Speculator) -> float:
-    """Without pipelining, decoders lacking a proposal get a plain one first (on the critical path)."""
+async def sequential_proposals(spec: Speculator, only: set[int] | None = None) -> float:
+    """Without pipelining, decoders lacking a proposal get a plain one first (on the critical path);
+    pipelined, the decoders `only` that drafts_upfront left to now."""
     draft = spec.draft
     if not draft.up:
         return 0.0
     running = [s for s in spec.scheduler.running if not s.prefilling]
-    lacking = [s for s in running if spec.cap(s) > 0 and not spec.proposal(s)[0]]
+    lacking = [s for s in running if spec.cap(s) > 0 and not spec.proposal(s)[0] and (only is None or s.seq_id in only)]
     if not lacking:
         return 0.0  # no draft work: an idle router must be able to tell it did nothing
     t0 = time.perf_counter()

@@ -363,6 +363,8 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
 
     def prepared_for(spec, late: bool = False) -> set[int]:
         on_lookup, wanting = seq(1), seq(2)
+        wanting.tracker = AcceptanceTracker(accepted=9, tried=10)  # worth its branches (branches_pay)
+        spec.match_odds = Odds(hits=9.0, tries=10.0)
         if late:  # on lookup for want of a draft proposal, though the draft's are worth more
             on_lookup.tracker, on_lookup.lookup_tracker = on_lookup.lookup_tracker, on_lookup.tracker
         spec.new_step()
@@ -568,7 +570,8 @@ def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_t
     hold the outcome only as often as past branches did; a plain call before the next step costs its
     own time and always holds. The cheaper wins, on decode-only steps (beside a prompt chunk the draft
     works anyway), with dynamic k (a fixed-k pipeline stays pipelined), and only once a slowdown is
-    measured; a step drafted so is not the pipeline's to count."""
+    measured; only for the decoders on the draft's proposals, and a step drafted so is not the
+    pipeline's to count."""
     from router.config import RouterConfig
     from router.core import GREEDY, Request, Sequence
     from router.scheduler import Chunk, StepPlan
@@ -582,16 +585,17 @@ def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_t
     seqs = [decoder(i) for i in range(4)]
     step = StepPlan(decodes=[(s, 4) for s in seqs])
     spec = _speculator("host/cpu/0-1")
+    spec.from_draft.update(s.seq_id for s in seqs[:3])  # the fourth verifies prompt lookup's guess
     spec.cost = StepCostModel(alpha=10.0, beta=1.0)  # this 20-token step: 30 ms with the draft idle
     spec.pacing.contention.price = spec.cost.step_ms
-    spec.branch_cost.a, spec.branch_cost.b = 1.0, 0.5  # 4 rounds for 4 sequences: 9 ms
+    spec.branch_cost.a, spec.branch_cost.b = 1.0, 0.5  # 4 rounds for the 3 on the draft's proposals: 7 ms
     assert not drafts_upfront(spec, step), "no slowdown measured yet"
     for _ in range(8):
         _observe_slowdown(spec, 1.0, busy=False)
         _observe_slowdown(spec, 1.4, busy=True)
     assert spec.pacing.contention.factor == pytest.approx(1.4)
-    assert drafts_upfront(spec, step), "9 ms for sure against 12 ms of stretch for half the outcomes"
-    spec.branch_cost.b = 2.0  # a slower draft: 33 ms, at odds 0.5 worth 16.5 ms of stretch
+    assert drafts_upfront(spec, step) == {0, 1, 2}, "7 ms for sure against 12 ms of stretch for half the outcomes"
+    spec.branch_cost.b = 2.0  # a slower draft: 25 ms, at odds 0.5 worth 12.5 ms of stretch
     assert not drafts_upfront(spec, step)
     spec.branch_cost.b = 0.5
     prompt = Sequence(seq_id=9, request=Request(request_id="p", prompt_ids=list(range(40)), sampling=GREEDY,
@@ -601,9 +605,46 @@ def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_t
     assert not drafts_upfront(spec, step)
 
     spec.config = RouterConfig()
-    spec.new_step(upfront=True)
+    spec.new_step(upfront={seqs[0].seq_id})
     spec.from_draft.add(seqs[0].seq_id)
     assert spec.pipeline_outcome(seqs[0]) is None, "drafted before the step, not prepared beside the last"
     spec.new_step()
     spec.from_draft.add(seqs[0].seq_id)
     assert spec.pipeline_outcome(seqs[0]) == "hit"
+
+
+def test_where_the_draft_slows_the_target_branches_are_prepared_only_if_their_hits_pay_for_the_stretch():
+    """Branches beside a decode-only step slow it by (slowdown - 1) x its time; they pay only as often
+    as they name the outcome (match_odds). SmolLM2's named 7-15% while slowing every step 1.1-1.25x.
+    On the draft's own device, or before a slowdown is measured, they are prepared as before."""
+    from router.core import GREEDY, Request, Sequence
+    from router.scheduler import StepPlan
+
+    def decoders() -> list[Sequence]:
+        out = []
+        for seq_id in range(4):
+            req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8)
+            s = Sequence(seq_id=seq_id, request=req, tokens=[1, 2, 3, 4], num_prompt=3)
+            s.next_k, s.tracker = 2, AcceptanceTracker(accepted=3, tried=10)  # a = 0.3: 0.39 tokens a hit
+            out.append(s)
+        return out
+
+    def prepared(spec, hit_rate: float) -> int:
+        seqs = decoders()
+        spec.match_odds = Odds()
+        for i in range(100):
+            spec.match_odds.observe(i % 10 < 10 * hit_rate)
+        spec.new_step()
+        spec.from_draft.update(s.seq_id for s in seqs)  # every decoder took the draft's proposal
+        return len(spec.step_work(StepPlan(decodes=[(s, 2) for s in seqs]), [[5, 6]] * 4).entries)
+
+    shared = _speculator("host/cpu/0-1")
+    assert prepared(shared, hit_rate=0.1) == 4, "no slowdown measured yet"
+    for _ in range(8):
+        _observe_slowdown(shared, 1.0, busy=False)
+        _observe_slowdown(shared, 1.2, busy=True)
+    # the step emits 4 x 1.39 tokens; a 1.2x stretch costs 1.11 of them; four hits would bring 1.56
+    assert prepared(shared, hit_rate=0.1) == 0, "0.16 tokens expected for 1.11 tokens' time"
+    assert prepared(shared, hit_rate=0.9) == 4
+    own = _speculator("host/cpu/1")
+    assert prepared(own, hit_rate=0.1) == 4, "a draft that does not slow the target: branches are free"
