@@ -65,6 +65,7 @@ class StepLoop:
         self.steps = 0
         self._pending_release: list[int] = []
         self._chained: ChainedStep | None = None  # the step sent behind the one running (router.chain)
+        self._upfront: set[int] = set()  # decoders whose next proposals are drafted before the next step
         self._answered_at = 0.0  # perf_counter() when the target's last answer came
         self._round_trip_ms = ROUND_TRIP_PRIOR_MS  # what an unchained step's router+RPC part costs (decayed mean)
         self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
@@ -100,14 +101,15 @@ class StepLoop:
             await self.release_now(ids)
         if self._chained is not None:
             return await self._chained_iteration(t_start)
+        upfront, self._upfront = self._upfront, set()  # the last step left these decoders' proposals to now
         if not self.config.pipeline:
             draft_ms = await sequential_proposals(self.spec)
-        elif self.spec.upfront:  # the last step left these decoders' proposals to now
-            draft_ms = await sequential_proposals(self.spec, only=self.spec.upfront)
+        elif upfront:
+            draft_ms = await sequential_proposals(self.spec, only=upfront)
             self.metrics.upfront_steps.inc()
         else:
             draft_ms = await self._grace()
-        self.spec.new_step(upfront=self.spec.upfront)
+        self.spec.new_step(upfront=upfront)
         if self.config.pipeline:
             draft_ms += await self._fill()
         only = self.faults.next_suspect()
@@ -181,8 +183,8 @@ class StepLoop:
     def _launch_draft(self, plan: StepPlan, sent: list[list[int]], trace: StepTrace | None) -> bool:
         """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle
         and the decoders' proposals are not better drafted before the next step (upfront.drafts_upfront)."""
-        self.spec.upfront = drafts_upfront(self.spec, plan)
-        if self.spec.upfront or not (self.draft.up and self.draft.idle) or self.spec.pacing.rests(plan, self.steps):
+        self._upfront = drafts_upfront(self.spec, plan)
+        if self._upfront or not (self.draft.up and self.draft.idle) or self.spec.pacing.rests(plan, self.steps):
             return False
         self.draft.launch(lambda: self.spec.step_work(plan, sent), trace)  # planned while the Step is sent
         return True

@@ -39,8 +39,7 @@ class Speculator:
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
         self.filled: dict[int, str] = {}  # decoders whose miss (late / wrong) a plain proposal filled (upfront.py)
-        self.upfront: set[int] = set()  # decoders whose next proposals are drafted before the next step
-        self.drafted_upfront: set[int] = set()  # ... and those whose proposals this step were: not the pipeline's
+        self.drafted_upfront: set[int] = set()  # decoders whose proposals were drafted before this step (upfront.py)
         draft.on_cost = self._observe_draft
 
     # ---- k and proposals ------------------------------------------------------------------------
@@ -198,7 +197,7 @@ class Speculator:
         return "late" if seq.seq_id in self.late else "wrong"
 
     def new_step(self, upfront: set[int] | None = None) -> None:
-        self.drafted_upfront, self.upfront = upfront or set(), set()
+        self.drafted_upfront = upfront or set()
         self.matched.clear()
         self.late.clear()
         self.from_draft.clear()
@@ -257,11 +256,16 @@ class Speculator:
         named 7-15% of the outcomes while slowing every step 1.1-1.25x, and the policy, pricing the
         drafts in hand, kept drafting for a few sequences: (6) ran at 0.75-0.89x lookup alone (7).
         Without branches the draft is idle beside the step; a miss may still be filled before the next."""
-        if not (self.config.dynamic_k and self.pacing.slows_target() and self.pacing.contention.measured):
+        if not self.charges_slowdown():
             return True
         gain = self.match_odds.rate * sum(expected_tokens(c.a, c.k) - 1 for c in cands)
         emitted = sum(expected_tokens(self._verify_rate(seq), k) for seq, k in plan.decodes)
         return gain >= (self.pacing.contention.factor - 1) * emitted
+
+    def charges_slowdown(self) -> bool:
+        """Whether the policy weighs the draft's work beside a step against the target's slowdown: with
+        dynamic k, where the draft slows the target and that slowdown has been measured."""
+        return self.config.dynamic_k and self.pacing.slows_target() and self.pacing.contention.measured
 
     def _verify_rate(self, seq: Sequence) -> float:
         """The acceptance of the proposer whose drafts seq verifies this step."""

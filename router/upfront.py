@@ -120,11 +120,11 @@ def drafts_upfront(spec: Speculator, plan: StepPlan) -> set[int]:
     Only the decoders verifying the draft's proposal now: one on prompt lookup keeps to lookup
     (SmolLM2 at c=16: drafting for every decoder with k > 0 put 40 ms of draft a step on the
     critical path for sequences that took lookup's guesses). Empty: branches, as pipelined."""
-    if not (spec.config.pipeline and spec.config.dynamic_k) or plan.chunks or not spec.pacing.slows_target():
+    if not spec.config.pipeline or plan.chunks or not spec.charges_slowdown():
         return set()
     wanting = [seq for seq, _ in plan.decodes
                if seq.seq_id in spec.from_draft and seq.next_k > 0 and not seq.request.reproducible]
-    if not wanting or not spec.pacing.contention.measured:
+    if not wanting:
         return set()
     call_ms = spec.branch_cost.call_ms(max(s.next_k for s in wanting) * len(wanting), 0)
     stretch_ms = (spec.pacing.contention.factor - 1) * spec.cost.step_ms(plan.num_tokens, len(plan.sequences))
