@@ -102,6 +102,7 @@ class StepLoop:
         if self._chained is not None:
             return await self._chained_iteration(t_start)
         upfront, self._upfront = self._upfront, set()  # the last step left these decoders' proposals to now
+        self.spec.drafting_upfront = bool(upfront)  # priced as without pipelining: call, then step
         if not self.config.pipeline:
             draft_ms = await sequential_proposals(self.spec)
         elif upfront:
@@ -181,12 +182,14 @@ class StepLoop:
                                               [chained.sent[i] for i in live], None)
 
     def _launch_draft(self, plan: StepPlan, sent: list[list[int]], trace: StepTrace | None) -> bool:
-        """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle
-        and the decoders' proposals are not better drafted before the next step (upfront.drafts_upfront)."""
-        self._upfront = drafts_upfront(self.spec, plan)
-        if self._upfront or not (self.draft.up and self.draft.idle) or self.spec.pacing.rests(plan, self.steps):
+        """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle;
+        no branches for the decoders whose proposals are better drafted before the next step
+        (upfront.drafts_upfront), and no work at all where that leaves it nothing to mirror."""
+        self._upfront = upfront = drafts_upfront(self.spec, plan)
+        if (upfront and not plan.chunks) or not (self.draft.up and self.draft.idle) \
+                or self.spec.pacing.rests(plan, self.steps):
             return False
-        self.draft.launch(lambda: self.spec.step_work(plan, sent), trace)  # planned while the Step is sent
+        self.draft.launch(lambda: self.spec.step_work(plan, sent, upfront), trace)  # planned while the Step is sent
         return True
 
     async def _target_step(self, plan: StepPlan, only: Sequence | None,

@@ -26,8 +26,9 @@ class Speculator:
         self.draft = draft
         self.max_model_len = max_model_len
         self.cost = StepCostModel()  # the target's step time with the draft idle; observe_step feeds it
-        self.pacing = DraftPacing(config.pipeline, draft, self.cost.step_ms, target_compute)  # how much slower it runs
+        self.pacing = DraftPacing(config, draft, self.cost.step_ms, target_compute)
         self.draft_cost = DraftCost(pipelined=config.pipeline)
+        self.drafting_upfront = False  # this iteration's proposals are drafted before its step (upfront.py)
         self.branch_cost = BranchCost()
         self.wait_odds = Odds()  # how often a wait for the draft saw its call arrive (grace_ms)
         self.match_odds = Odds()  # how often a decoder's prepared branches held its outcome (hit vs wrong)
@@ -81,7 +82,7 @@ class Speculator:
         draft's proposals are not worth their cost now (a lookup costs no draft work)."""
         caps = [self.cap(s) for s in decoders]
         offers = [self._offers(s) if cap > 0 else (([], []), ([], [])) for s, cap in zip(decoders, caps, strict=True)]
-        by_lookup = [self._prefers_lookup(s, len(d[0][:cap]), len(lk[0][:cap]))
+        by_lookup = [self.prefers_lookup(s, len(d[0][:cap]), len(lk[0][:cap]))
                      for s, cap, (d, lk) in zip(decoders, caps, offers, strict=True)]
         if self.config.dynamic_k:
             dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
@@ -121,7 +122,9 @@ class Speculator:
     def _dynamic_k(self, decoders: list[Sequence], caps: list[int], dyn: list[int], by_lookup: list[bool],
                    prefill_tokens: int, draft_cost: DraftCost | None = None) -> list[int]:
         rates = [(decoders[i].lookup_tracker if by_lookup[i] else decoders[i].tracker).rate for i in dyn]
-        return choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost, draft_cost or self.draft_cost,
+        if draft_cost is None:  # drafted upfront, the call precedes the step as without pipelining
+            draft_cost = replace(self.draft_cost, pipelined=False) if self.drafting_upfront else self.draft_cost
+        return choose_k(rates, [caps[i] for i in dyn], prefill_tokens, self.cost, draft_cost,
                         [not by_lookup[i] for i in dyn], base_seqs=len(decoders) - len(dyn) + (prefill_tokens > 0))
 
     def _offers(self, seq: Sequence) -> tuple[Proposal, Proposal]:
@@ -157,7 +160,7 @@ class Speculator:
         return any(p.start == seq.outcome_start for p in seq.prepared)
 
     @staticmethod
-    def _prefers_lookup(seq: Sequence, drafted: int, looked: int) -> bool:
+    def prefers_lookup(seq: Sequence, drafted: int, looked: int) -> bool:
         """Given offers of `drafted` and `looked` tokens: lookup's where it expects more tokens at the
         acceptance its lookups have had, or where the draft offers nothing. On a tie the draft's goes
         (it carries q: a sampled request accepts more of it than of a point guess)."""
@@ -214,8 +217,9 @@ class Speculator:
             self.draft.stats.observe(accepted == v, list(ranks), hit)
 
     # ---- the draft's work -----------------------------------------------------------------------
-    def step_work(self, plan: StepPlan, sent: list[list[int]]) -> DraftWork:
-        """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes."""
+    def step_work(self, plan: StepPlan, sent: list[list[int]], upfront: set[int] | None = None) -> DraftWork:
+        """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes (but
+        not the decoders `upfront`: the next iteration drafts for them, upfront.drafts_upfront)."""
         work, budget = DraftWork(), self.draft.budget
         cands: list[tuple[Sequence, list[int], Candidate]] = []
         # Where it slows the target, a draft whose proposals no decoder took this step is pure cost: it
@@ -226,7 +230,9 @@ class Speculator:
         dormant = bool(plan.chunks) and idle_draft and self.draft_dormant()  # (only chunks are mirrored)
         if self.config.pipeline:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
-                if idle_draft and seq.seq_id in self.from_lookup and self._prefers_lookup(seq, seq.next_k, len(drafts)):
+                if upfront and seq.seq_id in upfront:
+                    continue
+                if idle_draft and seq.seq_id in self.from_lookup and self.prefers_lookup(seq, seq.next_k, len(drafts)):
                     continue
                 if seq.next_k > 0 and not seq.request.reproducible:
                     cands.append((seq, seq.tokens + drafts,
@@ -249,23 +255,12 @@ class Speculator:
         return work
 
     def branches_pay(self, plan: StepPlan, cands: list[Candidate]) -> bool:
-        """Where the draft slows the target, whether branches for a decode-only step's outcomes are worth
-        the stretch they cause: they name the outcome as often as past branches did (match_odds), each
-        hit worth its drafts' expected tokens beyond a plain decode's one, against (slowdown - 1) x the
-        tokens the step emits (its time, at its own tokens per ms). SmolLM2 on shared cores: branches
-        named 7-15% of the outcomes while slowing every step 1.1-1.25x, and the policy, pricing the
-        drafts in hand, kept drafting for a few sequences: (6) ran at 0.75-0.89x lookup alone (7).
-        Without branches the draft is idle beside the step; a miss may still be filled before the next."""
-        if not self.charges_slowdown():
-            return True
+        """Whether branches for a decode-only step's outcomes pay for the stretch they cause
+        (DraftPacing.branches_pay): they name the outcome as often as past branches did (match_odds),
+        each hit worth its drafts' expected tokens beyond a plain decode's one."""
         gain = self.match_odds.rate * sum(expected_tokens(c.a, c.k) - 1 for c in cands)
         emitted = sum(expected_tokens(self._verify_rate(seq), k) for seq, k in plan.decodes)
-        return gain >= (self.pacing.contention.factor - 1) * emitted
-
-    def charges_slowdown(self) -> bool:
-        """Whether the policy weighs the draft's work beside a step against the target's slowdown: with
-        dynamic k, where the draft slows the target and that slowdown has been measured."""
-        return self.config.dynamic_k and self.pacing.slows_target() and self.pacing.contention.measured
+        return self.pacing.branches_pay(gain, emitted)
 
     def _verify_rate(self, seq: Sequence) -> float:
         """The acceptance of the proposer whose drafts seq verifies this step."""

@@ -21,8 +21,14 @@ class Contention:
     is priced again by the current model (`price`, the target's step time at draft-idle speed): a ratio
     fixed when taken would keep the model's error of that moment. SmolLM2 on shared cores: the first
     idle steps, priced by the priors at 15-17 ms, took 110-130, and that idle mean held the factor at
-    1.0 for a whole load while busy steps ran 1.2x slower. 1.0 until both kinds have been seen a few
-    times (`measured`), and never below 1."""
+    1.0 for a whole load while busy steps ran 1.2x slower.
+
+    The two sides are compared at about the step's size (`near`: sequences within a factor of NEAR),
+    because the model's error depends on size: on the demo pair a load of c = 4 after one of c = 1
+    compared its busy steps with c = 1's idle ones (1.2 where c = 4's own read 1.5-1.7), and the end of
+    a c = 16 load compared its shrinking idle steps with c = 16's busy ones (2.3). Until both sides hold
+    MIN_SAMPLES steps near the current size the factor keeps its last value (`knows` tells the pacing
+    to rest the draft on a probe step); it is 1.0 until first measured, and never below 1."""
 
     price: Callable[[int, int], float]  # (tokens, seqs) -> ms
     busy: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=BUSY_SAMPLES))
@@ -31,11 +37,21 @@ class Contention:
 
     def observe(self, observed_ms: float, tokens: int, seqs: int, draft_busy: bool) -> None:
         (self.busy if draft_busy else self.idle).append((observed_ms, tokens, seqs))
-        if self.measured:
-            self.factor = max(1.0, self._mean_ratio(self.busy) / self._mean_ratio(self.idle))
+        busy, idle = self.near(self.busy, seqs), self.near(self.idle, seqs)
+        if len(busy) >= MIN_SAMPLES and len(idle) >= MIN_SAMPLES:
+            self.factor = max(1.0, self._mean_ratio(busy) / self._mean_ratio(idle))
 
-    def _mean_ratio(self, samples: deque[tuple[float, int, int]]) -> float:
+    def _mean_ratio(self, samples: list[tuple[float, int, int]]) -> float:
         return sum(ms / max(self.price(tokens, seqs), 1e-6) for ms, tokens, seqs in samples) / len(samples)
+
+    @staticmethod
+    def near(samples: deque[tuple[float, int, int]], seqs: int) -> list[tuple[float, int, int]]:
+        """The samples of steps about as large as one of `seqs` sequences."""
+        return [s for s in samples if max(s[2], seqs) <= NEAR * max(min(s[2], seqs), 1)]
+
+    def knows(self, seqs: int) -> bool:
+        """Whether enough idle steps about as large as one of `seqs` sequences are held to compare with."""
+        return len(self.near(self.idle, seqs)) >= MIN_SAMPLES
 
     @property
     def measured(self) -> bool:
@@ -46,9 +62,10 @@ class Contention:
         return len(self.busy if busy else self.idle) >= MIN_SAMPLES
 
 
-MIN_SAMPLES = 4  # of each kind before the draft is charged a slowdown
+MIN_SAMPLES = 4  # of each kind, about the step's size, before the factor is (re)computed
 BUSY_SAMPLES = 32  # steps with the draft busy come every step: the last 32 follow a change of load
-IDLE_SAMPLES = 8  # idle ones come one in pacing.PROBE_EVERY steps: the last 8 span a few hundred
+IDLE_SAMPLES = 8  # idle ones come on probes (pacing.PROBE_EVERY, more after a change of size) and upfront
+NEAR = 2  # steps of S and S' sequences are about as large when max(S, S') <= NEAR * min(S, S')
 
 
 # Steps of at most this many tokens are costed from their own observations, once seen. Where a

@@ -116,18 +116,24 @@ def drafts_upfront(spec: Speculator, plan: StepPlan) -> set[int]:
     the outcome as often as past branches did (match_odds); drafted upfront, the call's time buys
     the same drafts for sure. Demo pair, shared cores, c=4: steps of 22 ms ran 30 beside the branches
     (1.4x) while a call of 4 rounds for 4 sequences took 10-12 ms, and sequential (4) beat pipelined
-    (6). Only on decode-only steps: beside prompt chunks the draft works anyway (it mirrors them).
-    Only the decoders verifying the draft's proposal now: one on prompt lookup keeps to lookup
-    (SmolLM2 at c=16: drafting for every decoder with k > 0 put 40 ms of draft a step on the
-    critical path for sequences that took lookup's guesses). Empty: branches, as pipelined."""
-    if not spec.config.pipeline or plan.chunks or not spec.charges_slowdown():
+    (6). Beside prompt chunks the draft still mirrors them; the branches' stretch there is taken as
+    beside a decode-only step of the same decoders (the same call beside the step): demo pair, c=16,
+    chunk steps of ~220 tokens took 105-112 ms with branches and mirroring beside them against 76-87
+    ms with mirroring alone (sequential (4)), and those steps were 60% of the load's.
+    Not for a decoder on prompt lookup whose lookups beat a full proposal of the draft's (SmolLM2
+    at c=16: drafting for every decoder with k > 0 put 40 ms of draft a step on the critical path
+    for sequences that took lookup's guesses), but for one whose branches missed: left out, such
+    decoders stayed off the draft for good on steps drafted upfront (demo c=4: upfront on half the
+    steps, no more tokens a step, misses back only through fills). Empty: branches, as pipelined."""
+    if not spec.config.pipeline or not spec.pacing.charges_slowdown():
         return set()
-    wanting = [seq for seq, _ in plan.decodes
-               if seq.seq_id in spec.from_draft and seq.next_k > 0 and not seq.request.reproducible]
+    wanting = [seq for seq, k in plan.decodes if seq.next_k > 0 and not seq.request.reproducible
+               and not (seq.seq_id in spec.from_lookup and spec.prefers_lookup(seq, seq.next_k, k))]
     if not wanting:
         return set()
     call_ms = spec.branch_cost.call_ms(max(s.next_k for s in wanting) * len(wanting), 0)
-    stretch_ms = (spec.pacing.contention.factor - 1) * spec.cost.step_ms(plan.num_tokens, len(plan.sequences))
+    decode_tokens = sum(1 + k for _, k in plan.decodes)
+    stretch_ms = (spec.pacing.contention.factor - 1) * spec.cost.step_ms(decode_tokens, len(plan.decodes))
     return {s.seq_id for s in wanting} if call_ms * spec.match_odds.rate < stretch_ms else set()
 
 

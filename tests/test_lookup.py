@@ -29,6 +29,17 @@ def test_the_index_grows_with_the_history():
     assert lookup.propose(h, 2) == [7, 8], "n-grams added since the last call are found"
 
 
+def test_an_offer_is_kept_for_its_history_and_renewed_as_the_history_grows():
+    lookup, h = PromptLookup(), [1, 2, 3, 9, 1, 2]
+    offer = lookup.propose(h, 3)
+    assert offer == [3, 9, 1]
+    offer.append(99)
+    assert lookup.propose(h, 3) == [3, 9, 1], "the caller's copy, not the kept one"
+    assert lookup.propose(h, 1) == [3], "another k is another offer"
+    h.append(3)
+    assert lookup.propose(h, 3) == [9, 1, 2]
+
+
 def test_a_router_without_a_draft_speculates_from_the_history(model_pair):
     """No draft service: repetitive prompts still get drafts, verified by the target, and the output
     is still exactly the target's greedy one."""
@@ -53,7 +64,7 @@ def test_a_sequence_takes_the_offer_with_more_expected_tokens():
     """Both proposals are known before the choice, and each proposer's acceptance is tracked per
     sequence: the offer with more expected tokens goes (the draft's on a tie: it carries q)."""
     seq = Sequence(seq_id=1, request=Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8))
-    prefers = Speculator._prefers_lookup
+    prefers = Speculator.prefers_lookup
     assert not prefers(seq, drafted=4, looked=4), "equal priors, equal lengths: the draft's"
     assert prefers(seq, drafted=0, looked=2), "the draft had nothing ready: lookup's"
     assert not prefers(seq, drafted=4, looked=0), "no earlier occurrence: the draft's"
@@ -75,5 +86,5 @@ def test_lookup_accepted_more_often_per_token_but_offering_fewer_tokens_loses_to
         seq.tracker.update(4, 2)  # 2 of 3 positions tried
         seq.lookup_tracker.update(2, 2)  # short lookups, all accepted
     assert seq.lookup_tracker.rate > seq.tracker.rate
-    assert not Speculator._prefers_lookup(seq, drafted=4, looked=1)
-    assert Speculator._prefers_lookup(seq, drafted=4, looked=4)
+    assert not Speculator.prefers_lookup(seq, drafted=4, looked=1)
+    assert Speculator.prefers_lookup(seq, drafted=4, looked=4)

@@ -298,6 +298,16 @@ def _observe_slowdown(spec, ratio: float, busy: bool) -> None:
     spec.pacing.contention.observe(ratio * spec.cost.step_ms(1, 1), 1, 1, draft_busy=busy)
 
 
+def _decoding(n: int = 1):
+    """A decode-only step of n one-token decodes."""
+    from router.core import GREEDY, Request, Sequence
+    from router.scheduler import StepPlan
+
+    seqs = [Sequence(seq_id=i, request=Request(request_id=f"r{i}", prompt_ids=[1, 2], sampling=GREEDY, max_tokens=4),
+                     tokens=[1, 2], num_prompt=2) for i in range(n)]
+    return StepPlan(decodes=[(seq, 0) for seq in seqs])
+
+
 def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_be_measured():
     """The draft's cost on shared compute is the target's slowdown while it works; with work on every
     step there would be no idle step to compare with. Decode-only steps rest it until four idle steps
@@ -307,7 +317,7 @@ def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_
     from router.scheduler import Chunk, StepPlan
 
     spec = _speculator("host/cpu/0-1")
-    decode_only = StepPlan()
+    decode_only = _decoding()
     assert spec.pacing.rests(decode_only, 1), "nothing measured idle yet"
     for _ in range(4):
         _observe_slowdown(spec, 1.0, busy=False)
@@ -321,16 +331,33 @@ def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_
         "a sequential draft never works alongside the target: there is nothing to measure"
 
 
+def test_a_change_of_load_is_probed_until_idle_steps_of_its_size_are_held():
+    """The slowdown compares busy and idle steps of about one size: after a load of one sequence, a step of
+    eight is probed one step in SIZE_PROBE_EVERY until MIN_SAMPLES idle steps near its size are held."""
+    from router.pacing import PROBE_EVERY, SIZE_PROBE_EVERY
+    from router.step_costs import MIN_SAMPLES
+
+    spec = _speculator("host/cpu/0-1")
+    for _ in range(4):
+        _observe_slowdown(spec, 1.0, busy=False)
+    one, eight = _decoding(1), _decoding(8)
+    steps = range(1, PROBE_EVERY)
+    assert not any(spec.pacing.rests(one, s) for s in steps)
+    assert [s for s in steps if spec.pacing.rests(eight, s)] == [s for s in steps if s % SIZE_PROBE_EVERY == 0]
+    for _ in range(MIN_SAMPLES):
+        spec.pacing.contention.observe(spec.cost.step_ms(8, 8), 8, 8, draft_busy=False)
+    assert not any(spec.pacing.rests(eight, s) for s in steps)
+
+
 def test_a_draft_on_other_cores_is_probed_too_and_treated_as_shared_once_it_measurably_slows_the_target():
     """Other cores of one host still share caches and memory bandwidth: the pipelined draft rests on
     probe steps there too (rarely while no slowdown shows), and a measured slowdown makes it behave as
     on shared compute: more frequent probes, one branch per sequence, nothing prepared for sequences on
     prompt lookup when no decoder took its proposals."""
     from router.pacing import PROBE_EVERY, QUIET_PROBES
-    from router.scheduler import StepPlan
     from router.speculation import Candidate
 
-    spec, decode_only = _speculator("host/cpu/1"), StepPlan()
+    spec, decode_only = _speculator("host/cpu/1"), _decoding()
     assert not spec.pacing.shares_compute()
     assert spec.pacing.rests(decode_only, 1), "nothing measured idle yet"
     for _ in range(4):
@@ -568,10 +595,10 @@ def test_a_draft_whose_proposals_no_new_sequence_would_take_does_not_mirror_prom
 def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_the_next_costs_the_draft_waits():
     """On shared compute the branches prepared beside a step slow it by (slowdown - 1) x its time and
     hold the outcome only as often as past branches did; a plain call before the next step costs its
-    own time and always holds. The cheaper wins, on decode-only steps (beside a prompt chunk the draft
-    works anyway), with dynamic k (a fixed-k pipeline stays pipelined), and only once a slowdown is
-    measured; only for the decoders on the draft's proposals, and a step drafted so is not the
-    pipeline's to count."""
+    own time and always holds. The cheaper wins, with dynamic k (a fixed-k pipeline stays pipelined), and
+    only once a slowdown is measured; not for a decoder whose prompt lookup beats the draft (a missed one
+    is drafted for), and a step drafted so is not the pipeline's to count. Beside prompt chunks the
+    stretch is that of the same decoders' branches, and the draft still mirrors the chunks."""
     from router.config import RouterConfig
     from router.core import GREEDY, Request, Sequence
     from router.scheduler import Chunk, StepPlan
@@ -583,10 +610,12 @@ def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_t
         return seq
 
     seqs = [decoder(i) for i in range(4)]
-    step = StepPlan(decodes=[(s, 4) for s in seqs])
     spec = _speculator("host/cpu/0-1")
-    spec.from_draft.update(s.seq_id for s in seqs[:3])  # the fourth verifies prompt lookup's guess
-    spec.cost = StepCostModel(alpha=10.0, beta=1.0)  # this 20-token step: 30 ms with the draft idle
+    spec.from_draft.update(s.seq_id for s in seqs[:2])  # the third missed: it verifies nothing this step
+    spec.from_lookup.add(seqs[3].seq_id)  # the fourth verifies prompt lookup's guess, which beats the draft's
+    seqs[3].lookup_tracker, seqs[3].tracker = AcceptanceTracker.starting_at(0.9), AcceptanceTracker.starting_at(0.3)
+    step = StepPlan(decodes=[(s, k) for s, k in zip(seqs, [4, 4, 0, 4], strict=True)])
+    spec.cost = StepCostModel(alpha=10.0, beta=1.0)  # this 16-token step: 26 ms with the draft idle
     spec.pacing.contention.price = spec.cost.step_ms
     spec.branch_cost.a, spec.branch_cost.b = 1.0, 0.5  # 4 rounds for the 3 on the draft's proposals: 7 ms
     assert not drafts_upfront(spec, step), "no slowdown measured yet"
@@ -594,23 +623,42 @@ def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_t
         _observe_slowdown(spec, 1.0, busy=False)
         _observe_slowdown(spec, 1.4, busy=True)
     assert spec.pacing.contention.factor == pytest.approx(1.4)
-    assert drafts_upfront(spec, step) == {0, 1, 2}, "7 ms for sure against 12 ms of stretch for half the outcomes"
+    assert drafts_upfront(spec, step) == {0, 1, 2}, "7 ms for sure against 10 ms of stretch for half the outcomes"
     spec.branch_cost.b = 2.0  # a slower draft: 25 ms, at odds 0.5 worth 12.5 ms of stretch
     assert not drafts_upfront(spec, step)
     spec.branch_cost.b = 0.5
     prompt = Sequence(seq_id=9, request=Request(request_id="p", prompt_ids=list(range(40)), sampling=GREEDY,
-                                                max_tokens=8))
-    assert not drafts_upfront(spec, StepPlan(decodes=step.decodes, chunks=[Chunk(prompt, 0, 40)]))
-    spec.config = RouterConfig(dynamic_k=False)
+                                                max_tokens=8), tokens=list(range(40)), num_prompt=40)
+    with_prompt = StepPlan(decodes=step.decodes, chunks=[Chunk(prompt, 0, 40)])
+    assert drafts_upfront(spec, with_prompt) == {0, 1, 2}, "the 40 prompt tokens do not add to the branches' stretch"
+    work = spec.step_work(with_prompt, [[5, 6, 7, 8]] * 4, upfront={0, 1, 2})
+    assert {e.seq_id for e in work.entries} == {3, 9}, "no branches for those drafted upfront; the prompt mirrored"
+    spec.config = spec.pacing.config = RouterConfig(dynamic_k=False)
     assert not drafts_upfront(spec, step)
 
-    spec.config = RouterConfig()
+    spec.config = spec.pacing.config = RouterConfig()
     spec.new_step(upfront={seqs[0].seq_id})
     spec.from_draft.add(seqs[0].seq_id)
     assert spec.pipeline_outcome(seqs[0]) is None, "drafted before the step, not prepared beside the last"
     spec.new_step()
     spec.from_draft.add(seqs[0].seq_id)
     assert spec.pipeline_outcome(seqs[0]) == "hit"
+
+
+def test_proposals_drafted_upfront_are_sized_as_without_pipelining():
+    """An upfront call precedes its step (call, then step) as in sequential mode; priced as pipelined,
+    every k > 0 would be charged the slowdown of branches that are not prepared beside the step."""
+    spec = _speculator("host/cpu/0-1")
+    spec.cost = StepCostModel(alpha=10.0, beta=1.0)
+    spec.draft_cost.model = StepCostModel(alpha=1.0, beta=0.5)
+    spec.draft_cost.slowdown = 3.0
+    seq = _decoding().decodes[0][0]
+    seq.tracker = AcceptanceTracker.starting_at(0.8)
+    spec.choose_ks([seq], 0)
+    assert seq.next_k == 0, "4 drafts at 0.8 are not worth a step three times as long"
+    spec.drafting_upfront = True
+    spec.choose_ks([seq], 0)
+    assert seq.next_k == 4, "3.4 tokens for a 15 ms step after a 3.5 ms call"
 
 
 def test_where_the_draft_slows_the_target_branches_are_prepared_only_if_their_hits_pay_for_the_stretch():

@@ -194,3 +194,23 @@ def test_contention_prices_every_sample_by_the_model_as_it_is_now_not_as_it_was_
         c.observe(132.0, 4, 4, draft_busy=True)
         model.observe(4, 132.0 / c.factor, 4)
     assert c.factor == pytest.approx(1.2, rel=0.02)
+
+
+def test_contention_compares_busy_and_idle_steps_of_about_one_size():
+    """The model's error depends on a step's size: busy steps of 8 sequences are compared with idle steps of
+    8, not with the idle steps of a load of one before them, and a size not yet seen on both sides keeps
+    the factor measured last."""
+    model_error = {1: 1.0, 8: 1.5}  # the model prices steps of 8 sequences a third too cheap
+    c = Contention(_flat)
+    for _ in range(8):
+        c.observe(10.0 * model_error[1], 1, 1, draft_busy=False)
+        c.observe(12.0 * model_error[1], 1, 1, draft_busy=True)
+    assert c.factor == pytest.approx(1.2)
+    for _ in range(8):
+        c.observe(13.0 * model_error[8], 8, 8, draft_busy=True)
+    assert c.factor == pytest.approx(1.2), "no idle step of 8 yet: 1.95 against the idle steps of one"
+    assert not c.knows(8) and c.knows(1)
+    for _ in range(4):
+        c.observe(10.0 * model_error[8], 8, 8, draft_busy=False)
+    assert c.knows(8)
+    assert c.factor == pytest.approx(1.3)
