@@ -23,16 +23,24 @@ class PromptLookup:
         self.n_min, self.n_max = n_min, n_max
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence (indexed so far)
         self._indexed = 0  # n-grams ending at positions <= this are in the index
+        self._last_offer: tuple[int, int, list[int]] = (-1, 0, [])  # (history length, k, proposal)
 
     def propose(self, history: Seq[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest earlier occurrence of the history's suffix."""
+        """Up to k tokens that followed the longest earlier occurrence of the history's suffix. A history
+        only grows, so its length names it: the router asks up to four times a step (its offer, the
+        fill, the wait and the chaining decisions), and the answer is kept for the same length and k."""
         end = len(history)
+        if self._last_offer[:2] == (end, k):
+            return list(self._last_offer[2])
         self._index(history, end - 1)  # everything but the suffix itself
+        offer: list[int] = []
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             at = self._last.get(tuple(history[end - n:end]))
             if at is not None:
-                return list(history[at:min(at + k, end)])
-        return []
+                offer = list(history[at:min(at + k, end)])
+                break
+        self._last_offer = (end, k, offer)
+        return list(offer)
 
     def _index(self, history: Seq[int], upto: int) -> None:
         for stop in range(max(self._indexed, self.n_min), upto + 1):
