@@ -164,7 +164,11 @@ async def fill_misses(spec: Speculator) -> float:
 
 async def sequential_proposals(spec: Speculator, only: set[int] | None = None) -> float:
     """Without pipelining, decoders lacking a proposal get a plain one first (on the critical path);
-    pipelined, the decoders `only` that drafts_upfront left to now."""
+    pipelined, the decoders `only` that drafts_upfront left to now. The policy sizes the proposals
+    before the step is planned, so without its prompt tokens; a decoder drafted upfront keeps at least
+    the k it wanted when it was chosen for this (the step's own choice may verify fewer): sized
+    afresh, 23 of 202 such decoders at demo c=4 got k = 0 here, and then wanted drafts in the step,
+    which ran them at k = 0 for want of a proposal."""
     draft = spec.draft
     if not draft.up:
         return 0.0
@@ -173,12 +177,14 @@ async def sequential_proposals(spec: Speculator, only: set[int] | None = None) -
     if not lacking:
         return 0.0  # no draft work: an idle router must be able to tell it did nothing
     t0 = time.perf_counter()
+    wanted = {s.seq_id: s.next_k if only is not None else 0 for s in lacking}
     await draft.wait()  # the previous step's prompt mirroring
     spec.choose_ks(running, 0)  # sizes the proposals; a sequence held at k = 0 needs none
     work = DraftWork()
     for seq in lacking:
-        if seq.next_k > 0:
-            work.add(seq, list(seq.tokens), seq.next_k, 0, seq.request.sampling_proto, [], draft.budget)
+        k = min(max(seq.next_k, wanted[seq.seq_id]), spec.cap(seq))
+        if k > 0:
+            work.add(seq, list(seq.tokens), k, 0, seq.request.sampling_proto, [], draft.budget)
     tracer = spec.config.tracer
     await draft.run(work, tracer.step(None, -1) if tracer is not None and work.entries else None)
     return (time.perf_counter() - t0) * 1000

@@ -661,6 +661,39 @@ def test_proposals_drafted_upfront_are_sized_as_without_pipelining():
     assert seq.next_k == 4, "3.4 tokens for a 15 ms step after a 3.5 ms call"
 
 
+def test_a_decoder_drafted_upfront_gets_at_least_the_k_it_wanted_when_it_was_chosen():
+    """The upfront call is sized before the step is planned (without its prompt tokens): sized afresh a
+    decoder could get k = 0 there and want drafts in the step, which would then run it at k = 0."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.upfront import sequential_proposals
+
+    class Lane(SimpleNamespace):
+        async def wait(self, timeout=None):  # noqa: ANN001, ANN202
+            return None
+
+        async def run(self, work, trace=None):  # noqa: ANN001, ANN202
+            self.calls.append(work)
+            return 0.0
+
+    spec = _speculator("host/cpu/0-1")
+    lane = Lane(up=True, info=spec.draft.info, max_k=4, budget=512, stats=spec.draft.stats, calls=[])
+    spec.draft = lane
+    spec.draft_cost.model = StepCostModel(alpha=500.0, beta=0.0)  # a call so dear the policy drafts nothing
+    seq = _decoding().decodes[0][0]
+    seq.tokens.append(7)
+    seq.target_cached = len(seq.tokens) - 1  # decoding: one token out, the rest in the target's cache
+    spec.scheduler.running.append(seq)
+    seq.next_k = 3  # what it wanted when the last step chose it for an upfront call
+    asyncio.run(sequential_proposals(spec, only={seq.seq_id}))
+    assert [e.k for e in lane.calls[0].entries] == [3]
+    seq.next_k = 3
+    lane.calls.clear()
+    asyncio.run(sequential_proposals(spec))  # sequential mode: the policy's size stands
+    assert not lane.calls or not lane.calls[0].entries
+
+
 def test_where_the_draft_slows_the_target_branches_are_prepared_only_if_their_hits_pay_for_the_stretch():
     """Branches beside a decode-only step slow it by (slowdown - 1) x its time; they pay only as often
     as they name the outcome (match_odds). SmolLM2's named 7-15% while slowing every step 1.1-1.25x.
