@@ -170,6 +170,11 @@ class Speculator:
             return True
         return expected_tokens(seq.lookup_tracker.rate, looked) > expected_tokens(seq.tracker.rate, drafted)
 
+    def keeps_to_lookup(self, seq: Sequence, looked: int) -> bool:
+        """Whether seq verifies prompt lookup's proposal of `looked` tokens this step, and lookup beats even
+        a full proposal of the draft's (at the k it wants): the draft need not propose for it."""
+        return seq.seq_id in self.from_lookup and self.prefers_lookup(seq, seq.next_k, looked)
+
     def observe_step(self, plan: StepPlan, wall_ms: float, draft_busy: bool) -> None:
         """A target step's wall time: feeds the contention estimate, and the cost model at draft-idle speed.
         Contention compares decode-only steps on both sides: a step with prompt chunks always has the
@@ -232,7 +237,7 @@ class Speculator:
             for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
                 if upfront and seq.seq_id in upfront:
                     continue
-                if idle_draft and seq.seq_id in self.from_lookup and self.prefers_lookup(seq, seq.next_k, len(drafts)):
+                if idle_draft and self.keeps_to_lookup(seq, len(drafts)):
                     continue
                 if seq.next_k > 0 and not seq.request.reproducible:
                     cands.append((seq, seq.tokens + drafts,

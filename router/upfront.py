@@ -127,8 +127,8 @@ def drafts_upfront(spec: Speculator, plan: StepPlan) -> set[int]:
     steps, no more tokens a step, misses back only through fills). Empty: branches, as pipelined."""
     if not spec.config.pipeline or not spec.pacing.charges_slowdown():
         return set()
-    wanting = [seq for seq, k in plan.decodes if seq.next_k > 0 and not seq.request.reproducible
-               and not (seq.seq_id in spec.from_lookup and spec.prefers_lookup(seq, seq.next_k, k))]
+    wanting = [seq for seq, k in plan.decodes
+               if seq.next_k > 0 and not seq.request.reproducible and not spec.keeps_to_lookup(seq, k)]
     if not wanting:
         return set()
     call_ms = spec.branch_cost.call_ms(max(s.next_k for s in wanting) * len(wanting), 0)
