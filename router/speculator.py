@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from router.config import RouterConfig
 from router.core import Sequence
-from router.drafting import DraftLane, DraftWork
+from router.draft_work import DraftWork
+from router.drafting import DraftLane
 from router.pacing import DraftPacing
 from router.scheduler import Scheduler, StepPlan
 from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens

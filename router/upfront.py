@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from router.core import Sequence
-from router.drafting import DraftWork
+from router.draft_work import DraftWork
 from router.scheduler import StepPlan
 from router.spec_policy import expected_tokens, worth_waiting_ms
 

@@ -84,7 +84,8 @@ def test_a_call_launched_with_a_plan_is_planned_after_the_launcher_yields_and_a_
     Step: the planning runs in the call's task, once the loop yields (the Step is on its way). A plan
     that raises is logged; the step that launched it goes on."""
     from router.core import GREEDY, Request, SeqStatus, Sequence
-    from router.drafting import DraftLane, DraftWork
+    from router.draft_work import DraftWork
+    from router.drafting import DraftLane
     from router.metrics import Metrics
 
     server, _ = start_draft(model_dir)

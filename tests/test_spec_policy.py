@@ -441,7 +441,7 @@ def _late_decoder(spec, acceptance: float = 0.9):
     import time
 
     from router.core import GREEDY, Request, SeqStatus, Sequence
-    from router.drafting import DraftWork
+    from router.draft_work import DraftWork
     from tandem.v1 import draft_pb2
 
     req = Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=64)
