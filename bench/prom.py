@@ -73,6 +73,8 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
         # prepared nothing for a sequence that wants drafts, or prompt lookup's guesses were worth waiting for
         **{f"unchained_{r}": _ratio(_get(d, "tandem:unchained_steps_total", reason=r), steps)
            for r in ("plan", "no_draft_call", "draft_late", "no_proposal", "lookup")},
+        # draft calls that stopped early (fewer than k drafts) to land before their step's answer
+        "draft_stops_per_step": _ratio(_get(d, "tandem:draft_calls_stopped_total"), steps),
         "pipeline_waits_per_step": _ratio(_get(d, "tandem:pipeline_waits_total"), steps),
         "pipeline_waits_arrived": _ratio(_get(d, "tandem:pipeline_waits_total", outcome="arrived"),
                                          _get(d, "tandem:pipeline_waits_total")),

@@ -17,6 +17,9 @@ in flight: "d_1..d_j accepted, then token x", x the draft's rank-th favourite at
 
 Forks share the sequence's KV blocks and are freed when the call ends; only round 0's tokens (and a
 plain continuation's drafts) stay cached. Forwards per call: 1 + max(k) at most, never a sum.
+A call given a time to stop by (`stop_at`: the router's estimate of when the target step it was
+prepared beside answers) starts no round that would end after it once every continuation has a
+draft: a branch of 3 drafts in time beats one of 4 that lands after the step it was for.
 Round 0's tokens but the drafts under verification are history: their full blocks are published for
 prefix caching (engine/prefix_cache.py); drafts and branches never are.
 Everything is validated before the first forward, capacity included, so an invalid request
@@ -210,7 +213,9 @@ class Proposer:
             self.runner.commit(c.seq_id, c.start_pos + len(c.tokens))
         return [self.runner.cached_len(c.seq_id) for c in chunks]
 
-    def propose(self, requests: Sequence[DraftRequest]) -> Proposals:
+    def propose(self, requests: Sequence[DraftRequest], stop_at: float | None = None) -> Proposals:
+        """stop_at: perf_counter() time by which to stop drafting (None: k drafts each); at least one
+        draft per continuation whatever the time."""
         self._check(requests, "entries")
         t0 = time.perf_counter()
         for q in requests:
@@ -251,11 +256,16 @@ class Proposer:
             plain = [i for i, row in enumerate(rows) if row.feed < 0]
             if plain:
                 self._draw(rows, plain, torch.stack(first))
+            round_s = 0.0
             while live := [i for i, row in enumerate(rows) if row.feed >= 0]:
+                started = time.perf_counter()
+                if stop_at is not None and started + round_s > stop_at and all(rows[i].out.drafts for i in live):
+                    break  # rounds cost about the same (one token per live row): the next would end too late
                 out = self.runner.forward([SeqInput(rows[i].cache_id, rows[i].position, [rows[i].feed])
                                            for i in live])
                 forwards += 1
                 self._draw(rows, live, torch.cat(out))
+                round_s = time.perf_counter() - started
         finally:
             self.runner.release(forks)
         for q, res in zip(requests, results, strict=True):

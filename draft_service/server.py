@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -88,6 +90,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _propose(self, request: draft_pb2.ProposeRequest, deadline: float | None) -> draft_pb2.ProposeResponse:
         still_wanted(deadline)
+        stop_at = _stop_at(request)
         requests = []
         for n, e in enumerate(request.entries):
             spec, processors = self._sampling.get((e.sampling.SerializeToString(deterministic=True), e.prompt_len),
@@ -95,7 +98,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             requests.append(DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k, spec, e.num_verifying,
                                          [BranchSpec(b.accepted, b.rank) for b in e.branches], processors, e.grammar,
                                          e.prompt_len, e.fork_of, list(e.prefix_block_hashes)))
-        out = self.proposer.propose(requests)
+        out = self.proposer.propose(requests, stop_at)
         return draft_pb2.ProposeResponse(
             proposals=[
                 draft_pb2.Proposal(
@@ -107,6 +110,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             ],
             forward_ms=out.forward_ms, forwards=out.forwards,
         )
+
+
+def _stop_at(request: draft_pb2.ProposeRequest) -> float | None:
+    """The perf_counter() time stop_after_ms names (None: no time to stop by)."""
+    ms = request.stop_after_ms
+    if not (math.isfinite(ms) and ms >= 0.0):
+        raise InvalidInput("stop_after_ms", f"{ms} is not a finite number of milliseconds >= 0")
+    return time.perf_counter() + ms / 1000 if ms > 0 else None
 
 
 def _tokens(request: draft_pb2.ProposeRequest) -> int:

@@ -280,9 +280,10 @@ class DraftClient(_Client):
     async def sync(self, chunks: list[draft_pb2.Chunk]) -> draft_pb2.SyncResponse:
         return await self._call(self.stub.Sync, draft_pb2.SyncRequest(chunks=chunks))
 
-    async def propose(self, entries: list[draft_pb2.ProposeEntry],
-                      metadata: tuple[tuple[str, str], ...] | None = None) -> draft_pb2.ProposeResponse:
-        request = draft_pb2.ProposeRequest(entries=entries)
+    async def propose(self, entries: list[draft_pb2.ProposeEntry], metadata: tuple[tuple[str, str], ...] | None = None,
+                      stop_after_ms: float = 0.0) -> draft_pb2.ProposeResponse:
+        """stop_after_ms: a time to stop drafting by (ProposeRequest.stop_after_ms; 0: none)."""
+        request = draft_pb2.ProposeRequest(entries=entries, stop_after_ms=stop_after_ms)
         if metadata:
             return await self._call(self.stub.Propose, request, metadata=metadata)
         return await self.proposals.call(request)

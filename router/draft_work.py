@@ -49,6 +49,7 @@ class DraftWork:
     tokens: int = 0
     branches: int = 0
     rounds: int = 0
+    due: float = 0.0  # perf_counter() by which the call should land (the step it is prepared beside); 0: none
 
     def add(self, seq: Sequence, base: list[int], k: int, v: int, sampling: common_pb2.SamplingParams,
             branches: list[tuple[int, int]], budget: int) -> bool:

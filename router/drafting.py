@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+OVERHEAD_PRIOR_MS = 1.0  # demo pair, two cores: 0.3-0.5 ms each way plus validation and serialisation
+OVERHEAD_DECAY = 0.1
+MIN_STOP_AFTER_MS = 0.01
+
+
 class IncompatibleDraft(RuntimeError):
     """The draft does not share the target's tokenizer/vocabulary (DESIGN invariant 4)."""
 
@@ -48,6 +53,7 @@ class DraftLane:
         self.started = 0.0  # perf_counter() when it was sent
         self.ended = 0.0  # perf_counter() when the last call ended
         self.waited_for = False  # a step already waited for it (upfront.grace_ms: once per call)
+        self.overhead_ms = OVERHEAD_PRIOR_MS  # a call's wall time beyond its forwards (decayed mean)
         self._reconnect: asyncio.Task | None = None
         self._releases: list[int] = []  # kept while the draft is unreachable
         self._expect: tuple[str, int] | None = None  # (tokenizer fingerprint, vocab) of the target
@@ -171,8 +177,12 @@ class DraftLane:
         t0 = time.perf_counter()
         try:
             with trace.draft_call(work.seqs) if trace is not None else nullcontext(None) as metadata:
-                response = await self.client.propose(work.entries, metadata)
+                response = await self.client.propose(work.entries, metadata, self._stop_after_ms(work, t0))
             ms = (time.perf_counter() - t0) * 1000
+            self.overhead_ms += OVERHEAD_DECAY * (ms - response.forward_ms - self.overhead_ms)
+            if 0 < response.forwards < work.rounds:  # stopped early (_stop_after_ms): what it ran is what it cost
+                work.rounds = response.forwards
+                self.metrics.draft_stops.inc()
             self.on_cost(work, ms)
             self._apply(work, response)
         except CacheMissError as err:  # the draft restarted: those sequences resync from scratch
@@ -191,6 +201,14 @@ class DraftLane:
             self.in_flight, self.ended = None, time.perf_counter()
             self.on_done()
         return (time.perf_counter() - t0) * 1000
+
+    def _stop_after_ms(self, work: DraftWork, sent: float) -> float:
+        """The call's time to stop drafting by: when it is due, less the call's own overhead (what a call
+        takes beyond the draft's forwards: both transits, validation, the answer's serialisation). At
+        least a moment: a call already late still gets its drafts' first round."""
+        if not work.due:
+            return 0.0
+        return max(MIN_STOP_AFTER_MS, (work.due - sent) * 1000 - self.overhead_ms)
 
     def _reset(self, seqs: list[Sequence], reason: str) -> None:
         self.metrics.draft_fallbacks.labels(reason=reason).inc()

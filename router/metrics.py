@@ -53,6 +53,9 @@ class Metrics:
         self.pipeline_fills = Counter("tandem:pipeline_fills", "Pipeline misses filled: the draft proposed for them "
                                       "before the step (on its critical path), where that was worth its time",
                                       registry=r)
+        self.draft_stops = Counter("tandem:draft_calls_stopped", "Draft calls that stopped drafting early (fewer "
+                                   "than k drafts) to land before the target step they were prepared beside",
+                                   registry=r)
         self.upfront_steps = Counter("tandem:upfront_steps", "Pipelined steps whose proposals the draft made before "
                                      "them (on their critical path, as without pipelining): on compute it shares "
                                      "with the target, branches beside the step ahead would have slowed it more "

@@ -166,3 +166,31 @@ def test_expired_deadlines_cost_no_forward(draft_dir):
 
     asyncio.run(scenario())
     assert runner.forward_calls == 2  # only the last call's two rounds
+
+
+@pytest.mark.parametrize("stop_after_ms", [-1.0, float("nan"), float("inf")])
+def test_a_bad_time_to_stop_by_is_refused(svc, stop_after_ms):
+    runner = svc.runner
+    sync(svc.stub, (611, 0, toks(610, 10)))
+    before = (runner.forward_calls, runner.cached_len(611))
+    with pytest.raises(grpc.RpcError) as err:
+        svc.stub.Propose(draft_pb2.ProposeRequest(entries=[entry(611, 10, [1], 3)], stop_after_ms=stop_after_ms),
+                         timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_after_ms" in err.value.details()
+    assert (runner.forward_calls, runner.cached_len(611)) == before
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[611]), timeout=10)
+
+
+def test_a_call_out_of_time_answers_with_fewer_drafts_over_grpc(svc, draft_dir):
+    """A moment to spare (0.01 ms): the branch's first draft (the plain entry rides along: two), no
+    more, and cached_len says what stayed cached."""
+    prompt = toks(620, 12)
+    sync(svc.stub, (621, 0, prompt[:-1]))
+    response = svc.stub.Propose(draft_pb2.ProposeRequest(
+        entries=[entry(621, len(prompt) - 1, prompt[-1:], 4), entry(622, 0, toks(623, 8), 4, num_verifying=2,
+                                                                 branches=((2, 1),))],
+        stop_after_ms=0.01), timeout=10)
+    plain, branched = response.proposals
+    assert list(plain.tokens) == hf_greedy(draft_dir, prompt, 2) and plain.cached_len == len(prompt) + 1
+    assert [len(b.drafts) for b in branched.branches] == [1] and response.forwards == 2
+    svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[621, 622]), timeout=10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -92,6 +94,55 @@ def test_plain_and_branched_entries_share_rounds(model_dir):
     assert out.results[0].plain.drafts == hf_greedy(model_dir, a, 5)
     [branch] = out.results[1].branches
     assert branch.drafts == hf_greedy(model_dir, b + [branch.token], 3) and branch.token == ranked(model_dir, b)[0]
+
+
+def test_a_call_past_its_time_to_stop_returns_one_draft_per_continuation(model_dir):
+    """stop_at (the router's estimate of when the step it prepares for answers) already passed: every
+    continuation still gets its first draft (a plain one rides along the branches' first round: two),
+    no round after that runs, and what is returned is the start of what the full call drafts; the
+    cache holds exactly what cached_len says."""
+    runner = runner_for(model_dir)
+    a, b = toks(52, 9), toks(53, 14)
+    reqs = [DraftRequest(1, 0, a, 4), DraftRequest(2, 0, b, 4, num_verifying=2,
+                                                   branches=[BranchSpec(2, 1), BranchSpec(0, 1)])]
+    calls = runner.forward_calls
+    cut = Proposer(runner).propose(reqs, stop_at=0.0)
+    assert cut.forwards == runner.forward_calls - calls == 2  # round 0, then the branches' first drafts
+    plain, branched = cut.results
+    assert plain.plain.drafts == hf_greedy(model_dir, a, 2)
+    assert plain.cached_len == runner.cached_len(1) == len(a) + 1, "a plain continuation's last draft is not cached"
+    assert [len(br.drafts) for br in branched.branches] == [1, 1]
+    runner.blocks.check_invariants()
+    runner.release([1, 2])
+    full = Proposer(runner).propose(reqs).results
+    assert full[0].plain.drafts[:2] == plain.plain.drafts and len(full[0].plain.drafts) == 4
+    for whole, part in zip(full[1].branches, branched.branches, strict=True):
+        assert (whole.token, whole.drafts[:1]) == (part.token, part.drafts) and len(whole.drafts) == 4
+
+
+def test_a_call_with_time_to_spare_drafts_every_k(model_dir):
+    runner = runner_for(model_dir)
+    prompt = toks(54, 10)
+    out = Proposer(runner).propose([DraftRequest(3, 0, prompt, 5)], stop_at=time.perf_counter() + 60)
+    assert out.results[0].plain.drafts == hf_greedy(model_dir, prompt, 5) and out.forwards == 5
+
+
+def test_rounds_stop_where_the_next_would_end_past_the_time(model_dir, monkeypatch):
+    """Each round is judged by the last one's duration: with forwards slowed to ~100 ms and 350 ms to
+    spare, round 0 (d1) and rounds 1 and 2 (d2, d3) end by ~300 ms, and round 3 would end at ~400: the
+    call stops with 3 of its 6 drafts."""
+    runner = runner_for(model_dir)
+    forward = runner.forward
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(0.100)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", slow)
+    prompt = toks(55, 10)
+    out = Proposer(runner).propose([DraftRequest(4, 0, prompt, 6)], stop_at=time.perf_counter() + 0.350)
+    assert out.results[0].plain.drafts == hf_greedy(model_dir, prompt, 3)
+    assert out.forwards == 3 and runner.cached_len(4) == len(prompt) + 2
 
 
 def test_sampled_branches_ship_the_q_they_drew_from_and_reproduce(model_dir):

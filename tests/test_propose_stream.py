@@ -131,3 +131,46 @@ def test_a_call_launched_with_a_plan_is_planned_after_the_launcher_yields_and_a_
         asyncio.run(run())
     finally:
         server.stop()
+
+
+def test_a_call_due_before_its_drafts_are_done_stops_early_and_is_costed_as_run(model_dir):
+    """A call prepared beside a target step is due when that step answers (DraftWork.due): one already
+    past due stops after each continuation's first draft, books the rounds it ran (its cost sample)
+    and counts as stopped; one with time to spare drafts its k."""
+    from router.core import GREEDY as GREEDY_SPEC
+    from router.core import Request, SeqStatus, Sequence
+    from router.draft_work import DraftWork
+    from router.drafting import DraftLane
+    from router.metrics import Metrics
+
+    server, _ = start_draft(model_dir)
+
+    async def run() -> None:
+        metrics = Metrics(4)
+        lane = DraftLane(DraftClient(server.address, timeout_s=30, router_id="r1"), metrics, retry_s=0.1)
+        await lane.connect("", SMALL["vocab_size"])
+        costed: list[int] = []
+        lane.on_cost = lambda work, ms: costed.append(work.rounds)
+        try:
+            for seq_id, due_in_s, drafts in ((1, -1.0, 1), (2, 60.0, 4)):
+                ids = prompt(10 + seq_id)
+                seq = Sequence(seq_id=seq_id, request=Request(request_id=f"r{seq_id}", prompt_ids=ids,
+                                                              sampling=GREEDY_SPEC, max_tokens=8),
+                               tokens=list(ids), num_prompt=len(ids), status=SeqStatus.RUNNING)
+                work = DraftWork()
+                assert work.add(seq, list(ids), 4, 0, seq.request.sampling_proto, [], lane.budget)
+                assert work.rounds == 4
+                work.due = time.perf_counter() + due_in_s
+                await lane.run(work)
+                assert [len(p.drafts) for p in seq.prepared] == [drafts]
+                assert seq.draft_cached == len(ids) + drafts - 1
+            assert costed == [1, 4]
+            assert metrics.draft_stops._value.get() == 1
+        finally:
+            await lane.close()
+            await lane.client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()

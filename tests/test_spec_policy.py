@@ -729,3 +729,39 @@ def test_where_the_draft_slows_the_target_branches_are_prepared_only_if_their_hi
     assert prepared(shared, hit_rate=0.9) == 4
     own = _speculator("host/cpu/1")
     assert prepared(own, hit_rate=0.1) == 4, "a draft that does not slow the target: branches are free"
+
+
+def test_branches_prepared_beside_a_step_are_due_when_it_answers_and_a_seeded_call_never_is():
+    """The call's time to stop drafting by (DraftWork.due) is the step's modelled time at the measured
+    slowdown from when the target began the step (or from the planning, not told); a call carrying a
+    seeded sequence has none (its k must not depend on timing), nor does one with no proposal to make."""
+    import time
+
+    from router.core import GREEDY, Request, SamplingParams, Sequence
+    from router.scheduler import StepPlan
+
+    def decoder(seq_id: int, sampling: SamplingParams = GREEDY) -> Sequence:
+        req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=sampling, max_tokens=8)
+        s = Sequence(seq_id=seq_id, request=req, tokens=[1, 2, 3, 4], num_prompt=3)
+        s.next_k, s.tracker = 2, AcceptanceTracker(accepted=9, tried=10)
+        return s
+
+    spec = _speculator("host/cpu/1")
+    spec.cost = StepCostModel(alpha=20.0, beta=0.0)
+    spec.draft_cost.slowdown = 1.5
+    seqs = [decoder(1), decoder(2)]
+    t0 = time.perf_counter()
+    work = spec.step_work(StepPlan(decodes=[(s, 2) for s in seqs]), [[5, 6]] * 2)
+    assert len(work.entries) == 2
+    assert t0 + 0.030 <= work.due <= time.perf_counter() + 0.030, "20 ms x 1.5 from the planning"
+    begun = time.perf_counter() - 0.005  # the target began it (a chained step: when the step ahead answered)
+    assert spec.step_work(StepPlan(decodes=[(s, 2) for s in seqs]), [[5, 6]] * 2, begun=begun).due == \
+        pytest.approx(begun + 0.030)
+    seeded = decoder(3, SamplingParams(temperature=0.8, seed=7))  # waits for a plain proposal (decode_ready)
+    seeded.target_cached = 3  # (tokens 1 2 3 4, one of them output: decoding)
+    spec.scheduler.running.append(seeded)
+    work = spec.step_work(StepPlan(decodes=[(seqs[0], 2)]), [[5, 6]])
+    assert seeded in work.seqs and work.due == 0.0
+    idle = decoder(4)
+    idle.next_k = 0
+    assert spec.step_work(StepPlan(decodes=[(idle, 0)]), [[]]).due == 0.0
