@@ -134,8 +134,8 @@ class StepLoop:
         entries, sent = step_entries(plan, self.spec.matched, self.metrics)
         dispatched(plan)
         trace = self.tracer.step(plan, self.steps) if self.tracer is not None else None
+        launched = self._launch_draft(plan, sent, trace)
         t_target = time.perf_counter()
-        launched = self._launch_draft(plan, sent, trace, t_target)
         with trace.target_call(plan) if trace is not None else nullcontext(None) as metadata:
             response = await self._target_step(plan, only, self._send(plan, sent, entries, metadata, launched))
         if response is None:
@@ -179,18 +179,17 @@ class StepLoop:
                 self.spec.from_draft.add(seq.seq_id)
         live = [i for i, s in enumerate(chained.seqs) if not s.finished]
         chained.launched = self._launch_draft(StepPlan(decodes=[chained.plan.decodes[i] for i in live]),
-                                              [chained.sent[i] for i in live], None, self._answered_at)
+                                              [chained.sent[i] for i in live], None)
 
-    def _launch_draft(self, plan: StepPlan, sent: list[list[int]], trace: StepTrace | None, begun: float) -> bool:
-        """Hand the draft this step's work (its chunks mirrored, branches for its outcomes, due when the
-        step the target began at `begun` answers), if it is idle; no branches for the decoders whose
-        proposals are better drafted before the next step (upfront.drafts_upfront), and no work at all
-        where that leaves it nothing to mirror."""
+    def _launch_draft(self, plan: StepPlan, sent: list[list[int]], trace: StepTrace | None) -> bool:
+        """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle;
+        no branches for the decoders whose proposals are better drafted before the next step
+        (upfront.drafts_upfront), and no work at all where that leaves it nothing to mirror."""
         self._upfront = upfront = drafts_upfront(self.spec, plan)
         if (upfront and not plan.chunks) or not (self.draft.up and self.draft.idle) \
                 or self.spec.pacing.rests(plan, self.steps):
             return False
-        self.draft.launch(lambda: self.spec.step_work(plan, sent, upfront, begun), trace)  # planned once it is sent
+        self.draft.launch(lambda: self.spec.step_work(plan, sent, upfront), trace)  # planned while the Step is sent
         return True
 
     async def _target_step(self, plan: StepPlan, only: Sequence | None,

@@ -224,11 +224,9 @@ class Speculator:
             self.draft.stats.observe(accepted == v, list(ranks), hit)
 
     # ---- the draft's work -----------------------------------------------------------------------
-    def step_work(self, plan: StepPlan, sent: list[list[int]], upfront: set[int] | None = None,
-                  begun: float | None = None) -> DraftWork:
+    def step_work(self, plan: StepPlan, sent: list[list[int]], upfront: set[int] | None = None) -> DraftWork:
         """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes (but
-        not the decoders `upfront`: the next iteration drafts for them, upfront.drafts_upfront). begun:
-        perf_counter() when the target began the step (sent, or the step ahead answered: chained)."""
+        not the decoders `upfront`: the next iteration drafts for them, upfront.drafts_upfront)."""
         work, budget = DraftWork(), self.draft.budget
         cands: list[tuple[Sequence, list[int], Candidate]] = []
         # Where it slows the target, a draft whose proposals no decoder took this step is pure cost: it
@@ -261,8 +259,10 @@ class Speculator:
         for seq, base, cand in cands:
             work.add(seq, base, cand.k, cand.v, seq.request.sampling_proto, branches[seq.seq_id], budget)
         self._add_plain(work, budget)
-        if cands and not any(s.request.reproducible for s in work.seqs):  # (a seeded k never depends on timing)
-            work.due = (begun or time.perf_counter()) + budget_ms * self.draft_cost.slowdown / 1000  # its answer
+        # Due a step's time from now, a moment after it began: counted from its start, twice the calls at demo
+        # c=1 stopped early for no gain (a call a little late is still waited for, grace_ms). Never seeded ones.
+        if cands and not any(s.request.reproducible for s in work.seqs):
+            work.due = time.perf_counter() + budget_ms * self.draft_cost.slowdown / 1000
         return work
 
     def branches_pay(self, plan: StepPlan, cands: list[Candidate]) -> bool:
