@@ -76,6 +76,7 @@ class StepLoop:
             metrics.pooled_acceptance.labels(replica=target.address, proposer=kind).set_function(
                 lambda pool=pool: pool.pooled.rate)
         self._unchained = metrics.unchained_steps
+        self._rests = metrics.draft_rests
         self.tracer = config.tracer
 
     # ---- one iteration ---------------------------------------------------------------------------
@@ -186,8 +187,11 @@ class StepLoop:
         no branches for the decoders whose proposals are better drafted before the next step
         (upfront.drafts_upfront), and no work at all where that leaves it nothing to mirror."""
         self._upfront = upfront = drafts_upfront(self.spec, plan)
-        if (upfront and not plan.chunks) or not (self.draft.up and self.draft.idle) \
-                or self.spec.pacing.rests(plan, self.steps):
+        rest = "upfront" if upfront and not plan.chunks else "down" if not self.draft.up \
+            else "busy" if not self.draft.idle else "probe" if self.spec.pacing.rests(plan, self.steps) else None
+        if rest is not None:
+            if self.config.pipeline and self.draft.client is not None:
+                self._rests.labels(reason=rest).inc()
             return False
         self.draft.launch(lambda: self.spec.step_work(plan, sent, upfront), trace)  # planned while the Step is sent
         return True

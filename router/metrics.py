@@ -60,6 +60,11 @@ class Metrics:
                                      "them (on their critical path, as without pipelining): on compute it shares "
                                      "with the target, branches beside the step ahead would have slowed it more "
                                      "than the call cost", registry=r)
+        self.draft_rests = Counter("tandem:draft_rests", "Pipelined steps the draft sat out (no work beside them, "
+                                   "so their decoders find nothing prepared next step), by why: probe = resting to "
+                                   "measure the target's speed with the draft idle (router.pacing), busy = still in "
+                                   "a call, upfront = its decoders are drafted before the next step instead, down "
+                                   "= no draft to ask", ["reason"], registry=r)
         self.pipeline_waits = Counter("tandem:pipeline_waits", "Steps that waited (at most what the proposals "
                                       "were worth) for a draft call about to land with them: arrived or timed_out "
                                       "(the step then ran without them)", ["outcome"], registry=r)

@@ -191,8 +191,10 @@ def test_prom_derive_splits_misses_and_router_share() -> None:
          ("tandem:pipeline_misses_total", (("reason", "wrong"),)): 1.0, ("tandem:chained_steps_total", ()): 4.0,
          ("tandem:pipeline_fills_total", ()): 3.0, ("tandem:upfront_steps_total", ()): 5.0,
          ("tandem:unchained_steps_total", (("reason", "draft_late"), ("replica", "t"))): 3.0,
-         ("tandem:unchained_steps_total", (("reason", "plan"), ("replica", "t"))): 2.0}
+         ("tandem:unchained_steps_total", (("reason", "plan"), ("replica", "t"))): 2.0,
+         ("tandem:draft_rests_total", (("reason", "probe"),)): 1.0}
     e = prom.derive(d, wall=1.0)
+    assert e["draft_rests_probe"] == 0.1 and e["draft_rests_busy"] == 0.0
     assert e["chained_share"] == 0.4 and e["unchained_draft_late"] == 0.3 and e["unchained_plan"] == 0.2
     assert e["unchained_no_draft_call"] == 0.0
     g = prom.gauges({("tandem:draft_slowdown", (("replica", "t"),)): 1.3,

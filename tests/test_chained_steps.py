@@ -227,6 +227,8 @@ def test_chained_decoding_matches_transformers(stack, caplog):
         assert out["choices"][0]["token_ids"] == hf_greedy(target_dir, p, n)
     assert metric(router.url, "tandem:chained_steps_total") > 10
     assert metric(router.url, "tandem:pipeline_hits_total") > 0  # chained steps verify the draft's branches
+    # the first decode-only steps ran with the draft resting, to time the target alone (router.pacing)
+    assert metric(router.url, 'tandem:draft_rests_total{reason="probe"}') >= 1
     # a sequence that finished at a step with one chained behind it is released after that one ran
     assert not [r for r in caplog.records if "lost the cache" in r.getMessage() or r.levelname == "ERROR"]
 
@@ -254,6 +256,7 @@ def test_a_router_without_a_draft_chains_its_k_0_decode_steps_and_decodes_as_tra
             assert complete(router.url, p, 40)["choices"][0]["token_ids"] == hf_greedy(target_dir, p, 40)
         if not lookup:
             chained = metric(router.url, "tandem:chained_steps_total")
+            assert metric(router.url, "tandem:draft_rests_total") == 0, "no draft: nothing sat out"
             assert chained >= 60, f"{chained} of ~78 decode steps chained"
 
 
