@@ -27,6 +27,7 @@ from router.chain import ChainedStep, chainable, chained_entries, lookup_beats_c
 from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
 from router.core import FinishReason, Sequence, TokenLogprob
+from router.draft_plans import step_work, waiting_work
 from router.drafting import DraftLane
 from router.metrics import Metrics
 from router.request_stats import about, dispatched
@@ -35,7 +36,7 @@ from router.speculator import Speculator
 from router.step_entries import step_entries
 from router.step_faults import StepFaults
 from router.step_results import StepResults
-from router.upfront import drafts_upfront, fill_misses, grace_ms, sequential_proposals
+from router.upfront import drafts_upfront, fill_misses, sequential_proposals, wait_for_landing
 from tandem.v1 import target_pb2
 
 if TYPE_CHECKING:
@@ -110,10 +111,10 @@ class StepLoop:
             draft_ms = await sequential_proposals(self.spec, only=upfront)
             self.metrics.upfront_steps.inc()
         else:
-            draft_ms = await self._grace()
+            draft_ms = await wait_for_landing(self.spec, self.metrics.pipeline_waits)
         self.spec.new_step(upfront=upfront)
         if self.config.pipeline:
-            draft_ms += await self._fill()
+            draft_ms += await fill_misses(self.spec, self.metrics.pipeline_fills)
         only = self.faults.next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
         if plan.preempted:
@@ -128,7 +129,7 @@ class StepLoop:
             self.target.idle()
             self.draft.rest()
             if self.draft.up and self.draft.idle:
-                work = self.spec.waiting_work()
+                work = waiting_work(self.spec)
                 self.draft.launch(lambda: work, self.tracer.step(None, self.steps) if self.tracer is not None else None)
                 return bool(work.entries) or draft_ms > 0
             return draft_ms > 0
@@ -193,7 +194,7 @@ class StepLoop:
             if self.config.pipeline and self.draft.client is not None:
                 self._rests.labels(reason=rest).inc()
             return False
-        self.draft.launch(lambda: self.spec.step_work(plan, sent, upfront), trace)  # planned while the Step is sent
+        self.draft.launch(lambda: step_work(self.spec, plan, sent, upfront), trace)  # planned while the Step is sent
         return True
 
     async def _target_step(self, plan: StepPlan, only: Sequence | None,
@@ -272,25 +273,6 @@ class StepLoop:
             log.debug("chained step not sent: %s", err)  # the step ahead of it reports what happened
             return
         self._chained = ChainedStep(seqs, alts, ks, ticket)
-
-    async def _grace(self) -> float:
-        """Wait briefly for a draft call about to land with proposals this step needs (upfront.grace_ms)."""
-        wait_ms = grace_ms(self.spec)
-        if wait_ms <= 0:
-            return 0.0
-        t0 = time.perf_counter()
-        self.draft.waited_for = True
-        await self.draft.wait(wait_ms / 1000)
-        self.spec.wait_odds.observe(self.draft.idle)
-        self.metrics.pipeline_waits.labels(outcome="arrived" if self.draft.idle else "timed_out").inc()
-        return (time.perf_counter() - t0) * 1000
-
-    async def _fill(self) -> float:
-        """Draft now for decoders whose branches missed, where it pays (router.upfront)."""
-        filled_ms = await fill_misses(self.spec)
-        if self.spec.filled:
-            self.metrics.pipeline_fills.inc(len(self.spec.filled))
-        return filled_ms
 
     # ---- results -------------------------------------------------------------------------------
     def _done(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse, draft_ms: float,

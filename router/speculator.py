@@ -1,10 +1,9 @@
-"""What each sequence speculates with, step by step: its k (the policy), its proposal (from the
-speculation cache), and the draft's work for each step (prompt mirroring, branches for the likely
-outcomes, plain proposals where a guess will not do). The step loop asks; this module decides."""
+"""What each sequence speculates with, step by step: its k (the policy) and its proposal (from the
+speculation cache or prompt lookup), and what the draft's work is measured to cost. The step loop
+asks; this module decides (the draft's work itself is planned in router.draft_plans)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 from router.config import RouterConfig
@@ -14,7 +13,7 @@ from router.drafting import DraftLane
 from router.pacing import DraftPacing
 from router.scheduler import Scheduler, StepPlan
 from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens
-from router.speculation import Candidate, Proposal, best_proposal, plan_branches, prune
+from router.speculation import Proposal, best_proposal, prune
 from router.step_costs import BranchCost, DraftCost, StepCostModel
 from tandem.v1 import common_pb2
 
@@ -223,57 +222,7 @@ class Speculator:
             hit = next((r for r, t in ranks.items() if t == token), None)
             self.draft.stats.observe(accepted == v, list(ranks), hit)
 
-    # ---- the draft's work -----------------------------------------------------------------------
-    def step_work(self, plan: StepPlan, sent: list[list[int]], upfront: set[int] | None = None) -> DraftWork:
-        """Mirror this step's prompt chunks and, pipelined, prepare branches for its likely outcomes (but
-        not the decoders `upfront`: the next iteration drafts for them, upfront.drafts_upfront)."""
-        work, budget = DraftWork(), self.draft.budget
-        cands: list[tuple[Sequence, list[int], Candidate]] = []
-        # Where it slows the target, a draft whose proposals no decoder took this step is pure cost: it
-        # prepares nothing for sequences on prompt lookup whose lookups beat even a full proposal of its
-        # own. A sequence on lookup only because the draft had nothing ready for it (late) is not one:
-        # resting the draft for it would keep it late, and on lookup, for as long as lookup has offers.
-        idle_draft = self.pacing.slows_target() and not self.from_draft
-        dormant = bool(plan.chunks) and idle_draft and self.draft_dormant()  # (only chunks are mirrored)
-        if self.config.pipeline:
-            for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
-                if upfront and seq.seq_id in upfront:
-                    continue
-                if idle_draft and self.keeps_to_lookup(seq, len(drafts)):
-                    continue
-                if seq.next_k > 0 and not seq.request.reproducible:
-                    cands.append((seq, seq.tokens + drafts,
-                                  Candidate(seq.seq_id, len(drafts), self._verify_rate(seq), seq.next_k)))
-            for c in plan.chunks:
-                cap = self.cap(c.seq)
-                if c.emit and cap > 0 and not c.seq.request.reproducible and not dormant:
-                    cands.append((c.seq, list(c.seq.tokens), Candidate(c.seq.seq_id, 0, c.seq.tracker.rate, cap)))
-            if cands and not plan.chunks and not self.branches_pay(plan, [c for _, _, c in cands]):
-                cands = []
-        budget_ms = self.cost.step_ms(plan.num_tokens, len(plan.sequences))
-        branches = plan_branches([c for _, _, c in cands], self.draft.stats, self._branch_budget(cands, budget_ms))
-        planned = {seq.seq_id for seq, _, _ in cands}
-        for c in plan.chunks:  # mirrored first: they are the draft's prefill
-            if c.seq.seq_id not in planned and not dormant:
-                work.add(c.seq, c.seq.tokens[:c.end], 0, 0, c.seq.request.sampling_proto, [], budget)
-        for seq, base, cand in cands:
-            work.add(seq, base, cand.k, cand.v, seq.request.sampling_proto, branches[seq.seq_id], budget)
-        self._add_plain(work, budget)
-        # Due a step's time from now, a moment after it began: counted from its start, twice the calls at demo
-        # c=1 stopped early for no gain (a call a little late is still waited for, grace_ms). Never seeded ones.
-        if cands and not any(s.request.reproducible for s in work.seqs):
-            work.due = time.perf_counter() + budget_ms * self.draft_cost.slowdown / 1000
-        return work
-
-    def branches_pay(self, plan: StepPlan, cands: list[Candidate]) -> bool:
-        """Whether branches for a decode-only step's outcomes pay for the stretch they cause
-        (DraftPacing.branches_pay): they name the outcome as often as past branches did (match_odds),
-        each hit worth its drafts' expected tokens beyond a plain decode's one."""
-        gain = self.match_odds.rate * sum(expected_tokens(c.a, c.k) - 1 for c in cands)
-        emitted = sum(expected_tokens(self._verify_rate(seq), k) for seq, k in plan.decodes)
-        return self.pacing.branches_pay(gain, emitted)
-
-    def _verify_rate(self, seq: Sequence) -> float:
+    def verify_rate(self, seq: Sequence) -> float:
         """The acceptance of the proposer whose drafts seq verifies this step."""
         return (seq.lookup_tracker if seq.seq_id in self.from_lookup else seq.tracker).rate
 
@@ -286,33 +235,6 @@ class Speculator:
         draft wakes now and then and is measured again."""
         rate = self.draft_acceptance.pooled.rate
         return self.config.dynamic_k and choose_k([rate], [self.k_max], 0, self.cost, self.draft_cost)[0] == 0
-
-    def waiting_work(self) -> DraftWork:
-        """Nothing could run: what the sequences waiting for the draft need."""
-        work = DraftWork()
-        self._add_plain(work, self.draft.budget)
-        return work
-
-    def _add_plain(self, work: DraftWork, budget: int) -> None:
-        """Plain proposals for seeded sequences waiting for theirs (they never take a guessed branch)."""
-        for seq in self.scheduler.running:
-            if not seq.prefilling and not self.decode_ready(seq) and seq not in work.seqs:
-                work.add(seq, list(seq.tokens), self.cap(seq), 0, seq.request.sampling_proto, [], budget)
-
-    def _branch_budget(self, cands: list, step_ms: float) -> int:
-        """Branches the draft can prepare within about one target step (at least one per sequence)."""
-        if not cands:
-            return 0
-        k = max(c.k for _, _, c in cands)
-        if self.pacing.slows_target():  # every branch delays the target: only each sequence's likeliest outcome
-            return len(cands)
-        by_time = max(len(cands), self.branch_cost.affordable(step_ms, len(cands) * (1 + k), k))
-        geometry = self.scheduler.draft
-        if geometry is None:
-            return by_time
-        # forks live only during the call, in the draft blocks no sequence has reserved
-        spare = geometry.num_blocks - self.scheduler.usage()[1]
-        return min(by_time, spare // (1 + geometry.blocks(k)))
 
     def _observe_draft(self, work: DraftWork, ms: float) -> None:
         if work.rounds:

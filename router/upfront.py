@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from prometheus_client import Counter
+
 from router.core import Sequence
 from router.draft_work import DraftWork
 from router.scheduler import StepPlan
@@ -137,11 +139,26 @@ def drafts_upfront(spec: Speculator, plan: StepPlan) -> set[int]:
     return {s.seq_id for s in wanting} if call_ms * spec.match_odds.rate < stretch_ms else set()
 
 
-async def fill_misses(spec: Speculator) -> float:
+async def wait_for_landing(spec: Speculator, waits: Counter) -> float:
+    """Wait at most grace_ms for the call in flight, which carries branches this step needs; `waits`
+    counts the waits by outcome (arrived, timed_out). Returns the wait (critical path, ms)."""
+    wait_ms = grace_ms(spec)
+    if wait_ms <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    spec.draft.waited_for = True
+    await spec.draft.wait(wait_ms / 1000)
+    spec.wait_odds.observe(spec.draft.idle)
+    waits.labels(outcome="arrived" if spec.draft.idle else "timed_out").inc()
+    return (time.perf_counter() - t0) * 1000
+
+
+async def fill_misses(spec: Speculator, filled: Counter | None = None) -> float:
     """Pipelined: fill the misses worth it (misses_worth_filling) with one plain Propose, if the draft
     is idle (a call still in flight had its grace: grace_ms). The step waits for the call
     no longer than it is worth: a slow draft's fill lands after the step went on without it (the
-    target never waits for a draft past what its drafts pay for). Returns the wait (critical path)."""
+    target never waits for a draft past what its drafts pay for). `filled` counts the misses filled.
+    Returns the wait (critical path, ms)."""
     draft = spec.draft
     if not (draft.up and draft.idle):
         return 0.0
@@ -159,6 +176,8 @@ async def fill_misses(spec: Speculator) -> float:
     draft.waited_for = True  # once per call (grace_ms): a fill that did not land is not waited for again
     if draft.idle:
         spec.filled.update(kinds)
+        if filled is not None:
+            filled.inc(len(kinds))
     return (time.perf_counter() - t0) * 1000
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.draft_plans import branch_budget, step_work
 from router.spec_policy import AcceptancePool, AcceptanceTracker, Odds, choose_k, expected_tokens, worth_waiting_ms
 from router.step_costs import DraftCost, StepCostModel
 from router.upfront import drafts_upfront, grace_ms
@@ -371,7 +372,7 @@ def test_a_draft_on_other_cores_is_probed_too_and_treated_as_shared_once_it_meas
     assert spec.pacing.slows_target()
     assert [s for s in range(1, PROBE_EVERY + 1) if spec.pacing.rests(decode_only, s)] == [PROBE_EVERY]
     cands = [(None, [], Candidate(seq_id, 0, 0.7, 4)) for seq_id in range(3)]
-    assert spec._branch_budget(cands, step_ms=1e6) == 3, "one branch per sequence: each extra one slows the target"
+    assert branch_budget(spec, cands, step_ms=1e6) == 3, "one branch per sequence: each extra one slows the target"
 
 
 def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_when_no_decoder_took_its_proposals():
@@ -397,7 +398,7 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
         spec.new_step()
         spec.from_lookup.add(on_lookup.seq_id)  # took lookup's proposal this step; no decoder took the draft's
         plan = StepPlan(decodes=[(on_lookup, 2), (wanting, 0)])
-        work = spec.step_work(plan, [[5, 6], []])
+        work = step_work(spec, plan, [[5, 6], []])
         return {s.seq_id for s in work.seqs}
 
     own_device = _speculator("host/cpu/1")
@@ -580,7 +581,7 @@ def test_a_draft_whose_proposals_no_new_sequence_would_take_does_not_mirror_prom
         spec.draft_acceptance = AcceptancePool(AcceptanceTracker(accepted=100 * pooled_rate, tried=100.0))
         req = Request(request_id="r1", prompt_ids=list(range(1, 41)), sampling=GREEDY, max_tokens=8)
         seq = Sequence(seq_id=1, request=req, tokens=list(range(1, 41)), num_prompt=40)
-        return len(spec.step_work(StepPlan(chunks=[Chunk(seq, 0, 40)]), []).entries)
+        return len(step_work(spec, StepPlan(chunks=[Chunk(seq, 0, 40)]), []).entries)
 
     shared = _speculator("host/cpu/0-1")
     assert shared.pacing.slows_target()
@@ -631,7 +632,7 @@ def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_t
                                                 max_tokens=8), tokens=list(range(40)), num_prompt=40)
     with_prompt = StepPlan(decodes=step.decodes, chunks=[Chunk(prompt, 0, 40)])
     assert drafts_upfront(spec, with_prompt) == {0, 1, 2}, "the 40 prompt tokens do not add to the branches' stretch"
-    work = spec.step_work(with_prompt, [[5, 6, 7, 8]] * 4, upfront={0, 1, 2})
+    work = step_work(spec, with_prompt, [[5, 6, 7, 8]] * 4, upfront={0, 1, 2})
     assert {e.seq_id for e in work.entries} == {3, 9}, "no branches for those drafted upfront; the prompt mirrored"
     spec.config = spec.pacing.config = RouterConfig(dynamic_k=False)
     assert not drafts_upfront(spec, step)
@@ -717,7 +718,7 @@ def test_where_the_draft_slows_the_target_branches_are_prepared_only_if_their_hi
             spec.match_odds.observe(i % 10 < 10 * hit_rate)
         spec.new_step()
         spec.from_draft.update(s.seq_id for s in seqs)  # every decoder took the draft's proposal
-        return len(spec.step_work(StepPlan(decodes=[(s, 2) for s in seqs]), [[5, 6]] * 4).entries)
+        return len(step_work(spec, StepPlan(decodes=[(s, 2) for s in seqs]), [[5, 6]] * 4).entries)
 
     shared = _speculator("host/cpu/0-1")
     assert prepared(shared, hit_rate=0.1) == 4, "no slowdown measured yet"
@@ -751,14 +752,14 @@ def test_branches_prepared_beside_a_step_are_due_when_it_answers_and_a_seeded_ca
     spec.draft_cost.slowdown = 1.5
     seqs = [decoder(1), decoder(2)]
     t0 = time.perf_counter()
-    work = spec.step_work(StepPlan(decodes=[(s, 2) for s in seqs]), [[5, 6]] * 2)
+    work = step_work(spec, StepPlan(decodes=[(s, 2) for s in seqs]), [[5, 6]] * 2)
     assert len(work.entries) == 2
     assert t0 + 0.030 <= work.due <= time.perf_counter() + 0.030, "20 ms x 1.5 from the planning"
     seeded = decoder(3, SamplingParams(temperature=0.8, seed=7))  # waits for a plain proposal (decode_ready)
     seeded.target_cached = 3  # (tokens 1 2 3 4, one of them output: decoding)
     spec.scheduler.running.append(seeded)
-    work = spec.step_work(StepPlan(decodes=[(seqs[0], 2)]), [[5, 6]])
+    work = step_work(spec, StepPlan(decodes=[(seqs[0], 2)]), [[5, 6]])
     assert seeded in work.seqs and work.due == 0.0
     idle = decoder(4)
     idle.next_k = 0
-    assert spec.step_work(StepPlan(decodes=[(idle, 0)]), [[]]).due == 0.0
+    assert step_work(spec, StepPlan(decodes=[(idle, 0)]), [[]]).due == 0.0
