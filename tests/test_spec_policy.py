@@ -333,18 +333,21 @@ def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_
 
 
 def test_a_change_of_load_is_probed_until_idle_steps_of_its_size_are_held():
-    """The slowdown compares busy and idle steps of about one size: after a load of one sequence, a step of
-    eight is probed one step in SIZE_PROBE_EVERY until MIN_SAMPLES idle steps near its size are held."""
+    """The slowdown compares busy and idle steps of about one size: on compute shared with the target,
+    after a load of one sequence, a step of eight is probed one step in SIZE_PROBE_EVERY until
+    MIN_SAMPLES idle steps near its size are held. On its own device only the periodic probes rest it."""
     from router.pacing import PROBE_EVERY, SIZE_PROBE_EVERY
     from router.step_costs import MIN_SAMPLES
 
-    spec = _speculator("host/cpu/0-1")
-    for _ in range(4):
-        _observe_slowdown(spec, 1.0, busy=False)
+    spec, own_device = _speculator("host/cpu/0-1"), _speculator("host/cpu/1")
+    for s in (spec, own_device):
+        for _ in range(4):
+            _observe_slowdown(s, 1.0, busy=False)
     one, eight = _decoding(1), _decoding(8)
     steps = range(1, PROBE_EVERY)
     assert not any(spec.pacing.rests(one, s) for s in steps)
     assert [s for s in steps if spec.pacing.rests(eight, s)] == [s for s in steps if s % SIZE_PROBE_EVERY == 0]
+    assert not any(own_device.pacing.rests(eight, s) for s in steps), "a size probe costs more than it tells there"
     for _ in range(MIN_SAMPLES):
         spec.pacing.contention.observe(spec.cost.step_ms(8, 8), 8, 8, draft_busy=False)
     assert not any(spec.pacing.rests(eight, s) for s in steps)
