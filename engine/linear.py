@@ -1,4 +1,4 @@
-"""The engine's linear layer, and two CPU quirks it works around.
+"""The engine's linear layer, and the CPU quirks it works around.
 
 A BLAS may run a product with 2 or 3 input rows as that many matrix-vector passes, each streaming
 the whole weight from memory, and block it as a GEMM (one pass over the weight) only from 4 rows;
@@ -10,11 +10,18 @@ cold weights, as in a forward:
     row-major     47     80    109     71     80    301  ms
     column-major  33     50     74     83     96    303  ms
 
-A decode is 1 row; a target verifying k = 1 or 2 drafts for one sequence runs 2-3, so it cost up to
-twice a decode and speculation could not pay. Each small row count therefore runs whichever way is
-fastest: as is, padded to 4 rows (zeros, dropped after), or against a column-major copy of the
-weight (kept only where some row count uses it: the linears' memory twice; tried only for linears
-far larger than the CPU's cache, which stream from memory either way).
+On an AVX-512 Xeon the same MKL runs 1-3 rows well and 4-12 badly, while oneDNN's linear over a weight
+packed for it (the kernel torch's CPU compiler uses) stays near a decode's cost:
+
+    rows           1      2      3      4      5      8     16     64    256
+    row-major     46     50     54     87     87    121    108    184    512  ms
+    packed        50     53     55     50     52     62     79    158    505  ms
+
+A decode is 1 row; a target verifying k drafts for one sequence runs k + 1, so a verification cost up
+to twice a decode and speculation could not pay. Each small row count therefore runs whichever way is
+fastest: as is, padded to 4 rows (zeros, dropped after), against a column-major copy of the weight
+(tried only for linears far larger than the CPU's cache, which stream from memory either way), or
+against the packed copy; a copy is kept only where some row count uses it (the linears' memory again).
 
 Which way pays is measured on the model's own weights when it loads (`calibrate`), never assumed:
 other CPUs and BLAS builds have no such steps, and on a GPU the question does not arise.
@@ -35,6 +42,9 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 PAD_TO = 4
+# Row counts timed by calibrate(): 1..PAD_TO each, and above it the points up to which the packed way
+# may run (a count between two points takes the way of the point above it; above the last, as is).
+POINTS = (1, 2, 3, 4, 8, 16, 32, 64, 128)
 PAYS = 0.9  # another way must save 10% of the time as is: a smaller difference is timing noise
 PAD_COST_MS = 0.01  # ... and more per layer than the padding itself costs (a cat and a slice: ~6 µs)
 # Column-major copies only for linears this many times the largest cache: weights that stream from
@@ -42,15 +52,22 @@ PAD_COST_MS = 0.01  # ... and more per layer than the padding itself costs (a ca
 # linears, a 32 MiB L3) timed faster column-major alone, then served (6) at c=1 with 16.1 ms target
 # steps against 10.5-12.4 ms without the copies.
 STREAMED = 4
+PACK_HINT = 8  # the batch size oneDNN lays the packed weight out for (1 and 64 timed no better)
 
 
 @dataclass(frozen=True)
 class SmallProducts:
     """How products of few rows run: `padded` row counts as PAD_TO rows, `by_columns` against the
-    column-major copy; every other row count as is."""
+    column-major copy, `packed` (and every count above PAD_TO up to `packed_up_to`) against a copy
+    packed for oneDNN; every other row count as is."""
 
     padded: frozenset[int] = frozenset()
     by_columns: frozenset[int] = frozenset()
+    packed: frozenset[int] = frozenset()
+    packed_up_to: int = 0
+
+    def packs(self, rows: int) -> bool:
+        return rows in self.packed or PAD_TO < rows <= self.packed_up_to
 
 
 class Linear(nn.Linear):
@@ -58,16 +75,19 @@ class Linear(nn.Linear):
 
     small: SmallProducts = SmallProducts()
     weight_t: torch.Tensor | None = None  # [in, out] contiguous: only while small.by_columns needs it
+    weight_packed: torch.Tensor | None = None  # oneDNN's layout: only while small packs some row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             rows = x.shape[0]
+            if self.small.packs(rows):
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
             if rows in self.small.by_columns:
                 assert self.weight_t is not None
                 return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
             if rows in self.small.padded:
                 padded = torch.cat([x, x.new_zeros(PAD_TO - rows, x.shape[1])])
-                return super().forward(padded)[:rows]
+                return self.forward(padded)[:rows]  # PAD_TO rows, the way chosen for them
         return super().forward(x)
 
 
@@ -75,14 +95,18 @@ def linears(model: nn.Module) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
 
-def pass_ms(layers: list[Linear], rows: int, repeats: int, by_columns: bool = False) -> float:
+def pass_ms(layers: list[Linear], rows: int, repeats: int, way: str = "rows") -> float:
     """Best-of-`repeats` time of one product of `rows` rows with every layer's weight, in model order:
-    like a forward, each weight comes from memory, not from a cache warmed by the call before."""
+    like a forward, each weight comes from memory, not from a cache warmed by the call before. way:
+    rows (as is), columns (the column-major copy) or packed (oneDNN's copy)."""
     inputs = {f: torch.zeros(rows, f, device=layers[0].weight.device, dtype=layers[0].weight.dtype)
               for f in {layer.in_features for layer in layers}}
-    product: Callable[[Linear], torch.Tensor] = (
-        (lambda layer: torch.mm(inputs[layer.in_features], layer.weight_t)) if by_columns
-        else (lambda layer: F.linear(inputs[layer.in_features], layer.weight, layer.bias)))
+    product: Callable[[Linear], torch.Tensor] = {
+        "rows": lambda layer: F.linear(inputs[layer.in_features], layer.weight, layer.bias),
+        "columns": lambda layer: torch.mm(inputs[layer.in_features], layer.weight_t),
+        "packed": lambda layer: torch.ops.mkldnn._linear_pointwise(inputs[layer.in_features], layer.weight_packed,
+                                                                   layer.bias, "none", [], ""),
+    }[way]
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
@@ -93,39 +117,70 @@ def pass_ms(layers: list[Linear], rows: int, repeats: int, by_columns: bool = Fa
     return best * 1e3
 
 
-def choose(row_major: dict[int, float], column_major: dict[int, float], num_layers: int) -> SmallProducts:
-    """Per row count 1..PAD_TO, the fastest way to run it (ms over all layers), where it clearly beats as is."""
-    padded, by_columns = set(), set()
-    for rows, as_is in row_major.items():
-        ways = {"columns": column_major[rows]} | ({"padded": row_major[PAD_TO]} if rows < PAD_TO else {})
+def choose(row_major: dict[int, float], column_major: dict[int, float], num_layers: int,
+           packed: dict[int, float] | None = None) -> SmallProducts:
+    """Per row count 1..PAD_TO, the fastest way to run it (ms over all layers), where it clearly beats as
+    is; above PAD_TO, packed up to the last timed count from which on it clearly wins at every one."""
+    packed = packed or {}
+    inf = float("inf")
+
+    def clearly(ms: float, as_is: float) -> bool:
+        return ms < PAYS * as_is and as_is - ms > PAD_COST_MS * num_layers
+
+    chosen: dict[int, tuple[str, float]] = {}
+    for rows in sorted((r for r in row_major if r <= PAD_TO), key=lambda r: r != PAD_TO):  # PAD_TO first
+        as_is = row_major[rows]
+        ways = {"columns": column_major.get(rows, inf), "packed": packed.get(rows, inf)}
+        if rows < PAD_TO and PAD_TO in chosen:
+            ways["padded"] = chosen[PAD_TO][1]
         way, ms = min(ways.items(), key=lambda w: w[1])
-        if ms < PAYS * as_is and as_is - ms > PAD_COST_MS * num_layers:
-            (padded if way == "padded" else by_columns).add(rows)
-    return SmallProducts(frozenset(padded), frozenset(by_columns))
+        chosen[rows] = (way, ms) if clearly(ms, as_is) else ("rows", as_is)
+    packed_up_to = 0
+    for rows in sorted(r for r in row_major if r > PAD_TO):
+        if not clearly(packed.get(rows, inf), row_major[rows]):
+            break
+        packed_up_to = rows
+    return SmallProducts(*(frozenset(r for r, (way, _) in chosen.items() if way == w)
+                           for w in ("padded", "columns", "packed")), packed_up_to=packed_up_to)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether this torch build runs oneDNN's packed linear on this CPU (x86 builds do)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.zeros(8, 8, dtype=weight.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=weight.dtype),
+                                                 torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT),
+                                                 None, "none", [], "")
+        return tuple(out.shape) == (2, 8)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 def calibrate(model: nn.Module, repeats: int = 3) -> SmallProducts:
-    """Measure, on a CPU, how products of 1..PAD_TO rows run fastest; set it on every layer. Call it
-    once the weights are final: the column-major copies are taken here."""
+    """Measure, on a CPU, how products of few rows run fastest; set it on every layer. Call it once the
+    weights are final: the column-major and packed copies are taken here."""
     layers = linears(model)
     if not layers or layers[0].weight.device.type != "cpu":
         return SmallProducts()
-    counts = range(1, PAD_TO + 1)
+    packing = can_pack(layers[0].weight)
+    counts = [r for r in POINTS if r <= PAD_TO or packing]
     size, cache = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers), largest_cache_bytes()
     streamed = cache > 0 and size >= STREAMED * cache
-    if streamed:
-        use(layers, SmallProducts(by_columns=frozenset(counts)))  # the copies, to time them
+    use(layers, SmallProducts(by_columns=frozenset(range(1, PAD_TO + 1)) if streamed else frozenset(),
+                              packed=frozenset(counts) if packing else frozenset()))  # the copies, to time them
     row_major = {rows: pass_ms(layers, rows, repeats) for rows in counts}
-    column_major = {rows: pass_ms(layers, rows, repeats, by_columns=True) if streamed else float("inf")
-                    for rows in counts}
-    small = choose(row_major, column_major, len(layers))
+    column_major = {rows: pass_ms(layers, rows, repeats, "columns") for rows in counts if streamed and rows <= PAD_TO}
+    packed = {rows: pass_ms(layers, rows, repeats, "packed") for rows in counts if packing}
+    small = choose(row_major, column_major, len(layers), packed)
     use(layers, small)
-    columns = ("/".join(f"{column_major[r]:.1f}" for r in counts) + " ms" if streamed
-               else f"not tried (under {STREAMED}x the cache)")
-    log.info("CPU products of 1/2/3/4 rows over the model's %d linears (%.0f MiB; cache %.0f MiB): row-major %s ms, "
-             "column-major %s -> padded to %d: %s; column-major: %s%s", len(layers), size / 2**20, cache / 2**20,
-             "/".join(f"{row_major[r]:.1f}" for r in counts), columns, PAD_TO, _rows(small.padded),
-             _rows(small.by_columns), f" (a {size / 2**20:.0f} MiB copy of the weights)" if small.by_columns else "")
+    log.info("CPU products of %s rows over the model's %d linears (%.0f MiB; cache %.0f MiB): as is %s ms, "
+             "column-major %s, oneDNN-packed %s -> padded to %d: %s; column-major: %s; packed: %s%s",
+             "/".join(map(str, counts)), len(layers), size / 2**20, cache / 2**20, _times(row_major, counts),
+             _times(column_major, counts) if streamed else f"not tried (under {STREAMED}x the cache)",
+             _times(packed, counts) if packing else "not available", PAD_TO, _rows(small.padded),
+             _rows(small.by_columns), _packed(small), _copies(small, size))
     return small
 
 
@@ -145,7 +200,9 @@ def largest_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache"
 
 
 def use(layers: list[Linear], small: SmallProducts) -> None:
-    """Run these layers' small products as `small` says, with column-major copies where it needs them."""
+    """Run these layers' small products as `small` says, with column-major or packed copies where it
+    needs them (and none where it does not)."""
+    packs = bool(small.packed) or small.packed_up_to > PAD_TO
     with torch.no_grad():
         for layer in layers:
             layer.small = small
@@ -153,7 +210,26 @@ def use(layers: list[Linear], small: SmallProducts) -> None:
                 layer.weight_t = None
             elif layer.weight_t is None:
                 layer.weight_t = layer.weight.t().contiguous()
+            if not packs:
+                layer.weight_packed = None
+            elif layer.weight_packed is None:
+                layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_HINT)
 
 
 def _rows(rows: frozenset[int]) -> str:
     return ", ".join(map(str, sorted(rows))) or "none"
+
+
+def _times(ms: dict[int, float], counts: list[int]) -> str:
+    return "/".join(f"{ms[r]:.1f}" if r in ms else "-" for r in counts)
+
+
+def _packed(small: SmallProducts) -> str:
+    rows = sorted(small.packed) + ([f"{PAD_TO + 1}-{small.packed_up_to}"] if small.packed_up_to > PAD_TO else [])
+    return ", ".join(map(str, rows)) or "none"
+
+
+def _copies(small: SmallProducts, size: int) -> str:
+    copies = [name for name, used in (("column-major", small.by_columns),
+                                      ("packed", small.packed or small.packed_up_to)) if used]
+    return f" ({' and '.join(copies)} copies of the weights, {size / 2**20:.0f} MiB each)" if copies else ""

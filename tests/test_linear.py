@@ -1,5 +1,5 @@
-"""Products of few rows on CPU run the fastest measured way: as is, padded to four rows, or against a
-column-major copy of the weight (engine/linear.py)."""
+"""Products of few rows on CPU run the fastest measured way: as is, padded to four rows, against a
+column-major copy of the weight, or against a copy packed for oneDNN (engine/linear.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineConfig, ModelRunner, SeqInput, linear
-from engine.linear import PAD_TO, Linear, SmallProducts, calibrate, choose, linears, use
+from engine.linear import PAD_TO, Linear, SmallProducts, calibrate, can_pack, choose, linears, use
 from tests.conftest import hf_logits
 
 ATOL = 1e-4
@@ -35,6 +35,24 @@ def test_each_way_gives_the_plain_product_row_for_row(seen_rows, bias):
     assert seen_rows == [PAD_TO, 4, 5], "1 and 2 rows column-major, 3 padded, 4 and 5 as is"
 
 
+needs_onednn = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="no oneDNN packed linear in this torch build")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_packed_way_gives_the_plain_product_and_covers_its_band(seen_rows, bias):
+    """Rows 4..6 against the packed copy, 2 padded to 4 (so packed too); 1, 3 and 7 as is."""
+    torch.manual_seed(0)
+    layer = Linear(16, 8, bias=bias)
+    use([layer], SmallProducts(padded=frozenset({2}), packed=frozenset({4}), packed_up_to=6))
+    for rows in range(1, 8):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + (layer.bias if bias else 0), atol=1e-5, rtol=0)
+    assert seen_rows == [1, 3, 7]
+    use([layer], SmallProducts())
+    assert layer.weight_packed is None, "no packed copy where no row count uses it"
+
+
 def test_as_is_by_default_and_for_inputs_that_are_not_rows(seen_rows):
     layer = Linear(16, 8, bias=False)
     layer(torch.randn(3, 16))
@@ -59,6 +77,21 @@ def test_each_row_count_runs_the_way_that_clearly_costs_least(rows, columns, lay
     assert choose(rows, columns, layers) == SmallProducts(frozenset(padded), frozenset(by_columns))
 
 
+XEON_ROWS = {1: 45.4, 2: 50.2, 3: 54.1, 4: 86.5, 8: 119.4, 16: 113.2, 32: 150.1, 64: 198.1, 128: 297.0}  # MKL, AVX-512
+XEON_PACKED = {1: 51.8, 2: 57.5, 3: 60.0, 4: 56.8, 8: 66.7, 16: 81.6, 32: 112.0, 64: 168.3, 128: 250.1}
+
+
+@pytest.mark.parametrize("packed, want", [
+    (XEON_PACKED, SmallProducts(packed=frozenset({4}), packed_up_to=128)),
+    (XEON_PACKED | {64: 190.0}, SmallProducts(packed=frozenset({4}), packed_up_to=32)),  # not clearly at 64: stops
+    (XEON_PACKED | {8: 118.0}, SmallProducts(packed=frozenset({4}))),  # the band above 4 starts at the first point
+    ({1: 30.0, 2: 49.0, 3: 52.0, 4: 40.0}, SmallProducts(padded=frozenset({2, 3}), packed=frozenset({1, 4}))),
+    ({}, SmallProducts()),  # no oneDNN: as is everywhere (rows 8.. were not timed either way)
+])
+def test_the_packed_way_runs_the_counts_where_it_clearly_wins(packed, want):
+    assert choose(XEON_ROWS, {}, 121, packed) == want
+
+
 def test_calibrate_gives_every_layer_of_a_model_the_same_choice(hf_checkpoint):
     _, model_dir = hf_checkpoint
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
@@ -68,6 +101,8 @@ def test_calibrate_gives_every_layer_of_a_model_the_same_choice(hf_checkpoint):
     assert small.padded <= frozenset({1, 2, 3}) and small.by_columns <= frozenset({1, 2, 3, 4})
     assert all(layer.small == small for layer in layers)
     assert all((layer.weight_t is not None) == bool(small.by_columns) for layer in layers)
+    packs = bool(small.packed) or small.packed_up_to > PAD_TO
+    assert all((layer.weight_packed is not None) == packs for layer in layers)
 
 
 @pytest.mark.parametrize("cache, tried", [(1, True), (10**12, False), (0, False)],
@@ -79,8 +114,8 @@ def test_column_major_is_tried_only_for_linears_far_larger_than_the_cache(hf_che
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
     timed: list[bool] = []
     real = linear.pass_ms
-    monkeypatch.setattr(linear, "pass_ms", lambda layers, rows, repeats, by_columns=False:
-                        timed.append(by_columns) or real(layers, rows, repeats, by_columns))
+    monkeypatch.setattr(linear, "pass_ms", lambda layers, rows, repeats, way="rows":
+                        timed.append(way == "columns") or real(layers, rows, repeats, way))
     monkeypatch.setattr(linear, "largest_cache_bytes", lambda: cache)
     small = calibrate(runner.model, repeats=1)
     assert any(timed) == tried
@@ -97,10 +132,13 @@ def test_the_largest_cache_is_read_from_sysfs(tmp_path):
 
 
 @pytest.mark.parametrize("small", [SmallProducts(padded=frozenset({2, 3})),
-                                   SmallProducts(by_columns=frozenset({1, 2, 3}))], ids=["padded", "columns"])
-@pytest.mark.parametrize("q_len", [1, 2, 3])
+                                   SmallProducts(by_columns=frozenset({1, 2, 3})),
+                                   pytest.param(SmallProducts(packed=frozenset(range(1, PAD_TO + 1)), packed_up_to=8),
+                                                marks=needs_onednn)],
+                         ids=["padded", "columns", "packed"])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 5])
 def test_decodes_and_verifications_match_transformers_either_way(hf_checkpoint, small, q_len):
-    """One sequence decoding, or verifying k = 1 or 2 drafts, every small product run one way: the
+    """One sequence decoding, or verifying k = 1, 2 or 4 drafts, every small product run one way: the
     logits are transformers' own, whatever the calibration on this machine chose."""
     _, model_dir = hf_checkpoint
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
