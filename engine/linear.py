@@ -78,6 +78,11 @@ class Linear(nn.Linear):
     weight_packed: torch.Tensor | None = None  # oneDNN's layout: only while small packs some row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T (+ b), the way `small` says. Not forward: a subclass's forward (engine.model's
+        ReducedHead widens its output) must not run again on the padded rows."""
         if x.dim() == 2:
             rows = x.shape[0]
             if self.small.packs(rows):
@@ -87,8 +92,8 @@ class Linear(nn.Linear):
                 return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
             if rows in self.small.padded:
                 padded = torch.cat([x, x.new_zeros(PAD_TO - rows, x.shape[1])])
-                return self.forward(padded)[:rows]  # PAD_TO rows, the way chosen for them
-        return super().forward(x)
+                return self._product(padded)[:rows]  # PAD_TO rows, the way chosen for them
+        return F.linear(x, self.weight, self.bias)
 
 
 def linears(model: nn.Module) -> list[Linear]:

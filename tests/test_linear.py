@@ -53,6 +53,27 @@ def test_the_packed_way_gives_the_plain_product_and_covers_its_band(seen_rows, b
     assert layer.weight_packed is None, "no packed copy where no row count uses it"
 
 
+@pytest.mark.parametrize("small", [SmallProducts(padded=frozenset({2, 3})),
+                                   SmallProducts(by_columns=frozenset({2})),
+                                   pytest.param(SmallProducts(padded=frozenset({2}), packed=frozenset({4}),
+                                                              packed_up_to=8), marks=needs_onednn)],
+                         ids=["padded", "columns", "padded-then-packed"])
+def test_a_reduced_head_scores_its_rows_once_whichever_way(small):
+    """A draft's head over a subset of the vocabulary widens its product to the whole vocabulary; rows
+    padded to four are multiplied, not widened twice (SmolLM2's draft chose 2 rows padded)."""
+    from engine.model import ReducedHead
+
+    torch.manual_seed(0)
+    head = ReducedHead(16, 8, 32)
+    head.token_ids.copy_(torch.arange(0, 32, 4))
+    use([head], small)
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, 16)
+        want = torch.full((rows, 32), float("-inf"))
+        want[:, head.token_ids] = x @ head.weight.T
+        torch.testing.assert_close(head(x), want, atol=1e-5, rtol=0)
+
+
 def test_as_is_by_default_and_for_inputs_that_are_not_rows(seen_rows):
     layer = Linear(16, 8, bias=False)
     layer(torch.randn(3, 16))
