@@ -69,6 +69,16 @@ class SmallProducts:
     def packs(self, rows: int) -> bool:
         return rows in self.packed or PAD_TO < rows <= self.packed_up_to
 
+    @property
+    def uses_packed(self) -> bool:
+        """Whether some row count runs against the packed copy (which is kept only then)."""
+        return bool(self.packed) or self.packed_up_to > PAD_TO
+
+
+def packed_product(x: torch.Tensor, weight_packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ b) by oneDNN, W packed by torch.ops.mkldnn._reorder_linear_weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight_packed, bias, "none", [], "")
+
 
 class Linear(nn.Linear):
     """nn.Linear that runs 2-D inputs of few rows the way `small` says (set by calibrate())."""
@@ -86,7 +96,8 @@ class Linear(nn.Linear):
         if x.dim() == 2:
             rows = x.shape[0]
             if self.small.packs(rows):
-                return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
+                assert self.weight_packed is not None
+                return packed_product(x, self.weight_packed, self.bias)
             if rows in self.small.by_columns:
                 assert self.weight_t is not None
                 return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
@@ -109,8 +120,7 @@ def pass_ms(layers: list[Linear], rows: int, repeats: int, way: str = "rows") ->
     product: Callable[[Linear], torch.Tensor] = {
         "rows": lambda layer: F.linear(inputs[layer.in_features], layer.weight, layer.bias),
         "columns": lambda layer: torch.mm(inputs[layer.in_features], layer.weight_t),
-        "packed": lambda layer: torch.ops.mkldnn._linear_pointwise(inputs[layer.in_features], layer.weight_packed,
-                                                                   layer.bias, "none", [], ""),
+        "packed": lambda layer: packed_product(inputs[layer.in_features], layer.weight_packed, layer.bias),
     }[way]
     best = float("inf")
     with torch.inference_mode():
@@ -155,9 +165,8 @@ def can_pack(weight: torch.Tensor) -> bool:
         return False
     try:
         w = torch.zeros(8, 8, dtype=weight.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=weight.dtype),
-                                                 torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT),
-                                                 None, "none", [], "")
+        out = packed_product(torch.ones(2, 8, dtype=weight.dtype),
+                             torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT), None)
         return tuple(out.shape) == (2, 8)
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
@@ -207,7 +216,6 @@ def largest_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache"
 def use(layers: list[Linear], small: SmallProducts) -> None:
     """Run these layers' small products as `small` says, with column-major or packed copies where it
     needs them (and none where it does not)."""
-    packs = bool(small.packed) or small.packed_up_to > PAD_TO
     with torch.no_grad():
         for layer in layers:
             layer.small = small
@@ -215,7 +223,7 @@ def use(layers: list[Linear], small: SmallProducts) -> None:
                 layer.weight_t = None
             elif layer.weight_t is None:
                 layer.weight_t = layer.weight.t().contiguous()
-            if not packs:
+            if not small.uses_packed:
                 layer.weight_packed = None
             elif layer.weight_packed is None:
                 layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_HINT)
@@ -236,5 +244,5 @@ def _packed(small: SmallProducts) -> str:
 
 def _copies(small: SmallProducts, size: int) -> str:
     copies = [name for name, used in (("column-major", small.by_columns),
-                                      ("packed", small.packed or small.packed_up_to)) if used]
+                                      ("packed", small.uses_packed)) if used]
     return f" ({' and '.join(copies)} copies of the weights, {size / 2**20:.0f} MiB each)" if copies else ""
