@@ -9,7 +9,7 @@ from common.cli import env_settable
 from common.tracing import tracing_from_args
 from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N
 from draft_service.server import SERVICE_NAME, create_servicer, register
-from engine.service import add_model_args, load_runner, serve
+from engine.service import add_model_args, load_runner, model_thread, serve
 from engine.transport import transport_from_args
 
 DEFAULT_PORT = 50053
@@ -44,10 +44,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m draft_service") -
     if args.max_draft_tokens < 0:
         parser.error("--max-draft-tokens must be >= 0")
     transport = transport_from_args(args)  # unusable certificate files fail in seconds, not after the load
-    runner = load_runner(args)
+    thread = model_thread(args.threads)
+    runner = load_runner(args, thread=thread)
     tracing = tracing_from_args(args, "tandem-draft")
     servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, args.sparse_top_n, args.sparse_q_mass,
-                               tracing)
+                               tracing, thread)
     try:
         aio.run(serve(lambda server: register(server, servicer), SERVICE_NAME, args.host, args.port,
                       args.grace_seconds, transport=transport, on_shutdown=servicer.close_streams))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -27,8 +28,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def __init__(self, runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
                  sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS,
-                 tracing: Tracing | None = None) -> None:
-        self.worker = ModelWorker(runner, model_id, max_draft_tokens)
+                 tracing: Tracing | None = None, thread: ThreadPoolExecutor | None = None) -> None:
+        self.worker = ModelWorker(runner, model_id, max_draft_tokens, thread)
         self.proposer = Proposer(runner, max_draft_tokens, sparse_top_n, sparse_q_mass, self.worker.eos_ids)
         self.worker.on_release.append(self.proposer.constraints.release)
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
@@ -140,8 +141,9 @@ def _dists(qs: list[SparseQ]) -> list[common_pb2.SparseDist]:
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
                     sparse_top_n: int = SPARSE_TOP_N, sparse_q_mass: float = SPARSE_Q_MASS,
-                    tracing: Tracing | None = None) -> DraftServicer:
-    return DraftServicer(runner, model_id, max_draft_tokens, sparse_top_n, sparse_q_mass, tracing)
+                    tracing: Tracing | None = None, thread: ThreadPoolExecutor | None = None) -> DraftServicer:
+    """thread: the model thread the runner loaded on (engine.service.model_thread), if any."""
+    return DraftServicer(runner, model_id, max_draft_tokens, sparse_top_n, sparse_q_mass, tracing, thread)
 
 
 def register(server: grpc.aio.Server, servicer: DraftServicer) -> None:

@@ -115,13 +115,29 @@ def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"error: {e}") from None
 
 
+def model_thread(threads: int = 0) -> ThreadPoolExecutor:
+    """The one thread that does a service's torch work: the load (with its timing of the CPU's products),
+    then every model call. One, because torch's CPU ops split over an OpenMP team per calling thread: a
+    second team (the event loop's, once it ran a forward or the load) makes libgomp count more threads than
+    cores and stop spinning between parallel regions, and a SmolLM2 decode on two threads took 47 ms
+    instead of 31 (docs/benchmarks-history.md). threads: torch's CPU threads there (0: its default)."""
+    threads = threads or torch.get_num_threads()
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=torch.set_num_threads,
+                              initargs=(threads,))
+
+
 def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
-                config: EngineConfig | None = None) -> ModelRunner:
+                config: EngineConfig | None = None, thread: ThreadPoolExecutor | None = None) -> ModelRunner:
+    """thread: the model thread to load on (model_thread(); ModelWorker then runs every call there)."""
     setup_logging(args.log_level, args.log_format)
     reload_on_sighup()  # already while the model loads; serve() hands it to its event loop
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner = ModelRunner.load(args.model, config or checked_engine_config(args), tp)
+    config = config or checked_engine_config(args)
+    if thread is None:
+        runner = ModelRunner.load(args.model, config, tp)
+    else:
+        runner = thread.submit(contextvars.copy_context().run, ModelRunner.load, args.model, config, tp).result()
     cfg = runner.config
     log.info("KV cache: %d blocks x %d tokens = %d tokens%s; max_model_len %d; backend %s; dtype %s; device %s; %s",
              cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size,
@@ -134,27 +150,34 @@ def load_runner(args: argparse.Namespace, tp: TensorParallel = SINGLE,
 INLINE_TOKENS = 64  # a step of at most this many tokens may run on the event loop (ModelWorker.run)
 
 
+def inline_tokens(device: torch.device) -> int:
+    """The largest step ModelWorker.run may run on the event loop: on CPU with one torch thread only (with
+    more, a second OpenMP team slows every product: model_thread()); a GPU's work is queued asynchronously
+    anyway, and CUDA streams are per thread."""
+    return INLINE_TOKENS if device.type == "cpu" and torch.get_num_threads() == 1 else 0
+
+
 class ModelWorker:
     """Runs model work on one dedicated thread, so forwards never overlap and the event loop
     stays free for health checks and new calls while a step computes."""
 
-    def __init__(self, runner: ModelRunner, model_id: str, max_draft_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, model_id: str, max_draft_tokens: int,
+                 thread: ThreadPoolExecutor | None = None) -> None:
         self.runner = runner
         self.model_id = model_id or Path(str(runner.model_dir)).name
         self.max_draft_tokens = max_draft_tokens
         self.fingerprint = tokenizer_fingerprint(runner.model_dir) if runner.model_dir else ""
         self.eos_ids = eos_token_ids(runner.model_dir) if runner.model_dir else []
         self.compute_id = compute_id(runner.device)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._thread = thread or model_thread()  # the one the model loaded on, where it has one
         self.in_flight = 0
-        # a GPU's work is queued asynchronously anyway, and CUDA streams are per thread: inline on CPU only
-        self.inline_tokens = INLINE_TOKENS if runner.device.type == "cpu" else 0
+        self.inline_tokens = inline_tokens(runner.device)
         self.lease = LeaseKeeper(self._free_all)
         self.on_release: list[Callable[[list[int]], None]] = []  # state kept beside the KV (engine/logits.py)
 
     async def run(self, fn: Callable[..., T], *args: Any, tokens: int | None = None) -> T:
-        """fn(*args) on the model thread. tokens: the size of a step; one of at most INLINE_TOKENS on
-        CPU runs on the event loop itself when nothing else is queued for the model thread (so still one
+        """fn(*args) on the model thread. tokens: the size of a step; one of at most inline_tokens (CPU,
+        one torch thread) runs on the event loop itself when nothing else is queued for the model thread (so still one
         model call at a time): two thread hand-offs fewer per step, the loop held no longer than a
         decode step."""
         self.in_flight += 1

@@ -29,6 +29,8 @@ from pathlib import Path
 from common.cli import env_settable
 from common.tls import TLSFiles
 
+OMP_SPIN_COUNT = 10_000  # GOMP_SPINCOUNT of the processes started here (Stack._spawn says why)
+
 
 def free_port() -> int:
     return free_ports(1)[0]
@@ -137,9 +139,12 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
-        # Both model services share this machine's cores: OpenMP threads that spin while idle (its
-        # default) steal them from the other service; passive ones sleep.
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+        # Both model services share this machine's cores. OpenMP's threads spin between parallel regions
+        # (libgomp's default: about 3 ms) and so steal cores from the other service while theirs idles;
+        # passive ones (sleeping at once) made each of a forward's ~120 small products wait for a wake-up,
+        # SmolLM2's decode on two threads 1.6x slower. 10,000 spins (about 0.1 ms) cover the gaps inside
+        # a forward and release the cores soon after it.
+        env = {"GOMP_SPINCOUNT": str(OMP_SPIN_COUNT), **os.environ}
         self.procs[name] = subprocess.Popen([*self.wrap.get(name, []), sys.executable, "-m", *args], stdout=out,
                                             stderr=subprocess.STDOUT if out else None, env=env,
                                             cwd=Path(__file__).resolve().parent.parent)

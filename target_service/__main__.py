@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from common import aio
 from common.cli import env_settable
@@ -12,7 +13,7 @@ from common.tracing import tracing_from_args
 from engine.config import ModelConfig
 from engine.parallel import SINGLE, check_shardable
 from engine.runner import ModelRunner
-from engine.service import add_model_args, checked_engine_config, load_runner, serve
+from engine.service import add_model_args, checked_engine_config, load_runner, model_thread, serve
 from engine.transport import Transport, transport_from_args
 from target_service.server import SERVICE_NAME, create_servicer, register
 from target_service.tp_workers import Followers, rank_config
@@ -42,9 +43,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be >= 1")
     transport = transport_from_args(args)  # unusable certificate files fail in seconds, not after the load
+    thread = model_thread(args.threads)
     if args.tensor_parallel_size == 1:
-        runner = load_runner(args)  # logs the model, KV capacity, backend, dtype and device
-        return _serve(args, runner, transport)
+        runner = load_runner(args, thread=thread)  # logs the model, KV capacity, backend, dtype and device
+        return _serve(args, runner, transport, thread)
     try:
         check_shardable(ModelConfig.from_dir(args.model), args.tensor_parallel_size)
     except ValueError as e:
@@ -54,16 +56,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
     followers = Followers.start(args.tensor_parallel_size, args.model, config, args.threads)
     runner = None
     try:
-        runner = load_runner(args, followers.tp, config)
+        runner = load_runner(args, followers.tp, config, thread)
         followers.exit_if_one_dies()
-        return _serve(args, runner, transport)
+        return _serve(args, runner, transport, thread)
     finally:
         followers.stop(runner)
 
 
-def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport) -> int:
+def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport, thread: ThreadPoolExecutor) -> int:
     tracing = tracing_from_args(args, "tandem-target")
-    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, tracing, args.fail_on_token)
+    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, tracing, args.fail_on_token, thread)
     tp = runner.tp if runner.tp is not SINGLE else None
     log.info("target %s: max_draft_tokens %d%s", servicer.worker.model_id, args.max_draft_tokens,
              f"; tensor parallel over {tp.size} ranks" if tp else "")

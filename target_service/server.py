@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -199,8 +200,10 @@ def _tokens(request: target_pb2.StepRequest) -> int:
 
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
-                    tracing: Tracing | None = None, fail_on_token: int = -1) -> TargetServicer:
-    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens), tracing, fail_on_token)
+                    tracing: Tracing | None = None, fail_on_token: int = -1,
+                    thread: ThreadPoolExecutor | None = None) -> TargetServicer:
+    """thread: the model thread the runner loaded on (engine.service.model_thread), if any."""
+    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens, thread), tracing, fail_on_token)
 
 
 def register(server: grpc.aio.Server, servicer: TargetServicer) -> None:
