@@ -63,7 +63,7 @@ endif
 		--port $(or $(HTTP_PORT),8000) --grpc-port $(or $(GRPC_PORT),50051)
 
 # Pairs are not built here: the harness measures the pairs present and says how to build a missing one.
-bench: $(STUBS)  ## every config vs transformers, demo + SmolLM2 pairs, shared + two-device modes and the feature workloads (~70-110 min; BENCH_ARGS=--quick: ~9)
+bench: $(STUBS)  ## every config vs transformers, demo + SmolLM2 pairs, shared + two-device modes and the feature workloads (~40-110 min, by the CPU; BENCH_ARGS=--quick: ~9)
 	$(PY) -m bench $(BENCH_ARGS)
 
 MULTITURN_MODELS ?= models/demo

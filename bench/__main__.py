@@ -79,7 +79,7 @@ def _epilog() -> str:
             minutes = p.minutes_quick if quick else p.minutes
             lines.append(f"  {p.name:8s}{' --quick' if quick else '        '}  {p.plan(quick).describe()}; "
                          + ", ".join(f"{m} ~{t:.0f} min" for m, t in minutes.items()))
-    lines += ["a full run (both pairs, both modes, the feature workloads): about 80 min; "
+    lines += ["a full run (both pairs, both modes, the feature workloads): 40-110 min by the CPU; "
               "--quick (demo, both modes): about 9 min",
               "example: python -m bench --quick --models models/tiny --out /tmp/bench   (harness check only)"]
     return "\n".join(lines)
