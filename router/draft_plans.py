@@ -37,7 +37,8 @@ def step_work(spec: Speculator, plan: StepPlan, sent: list[list[int]], upfront: 
                 continue
             if seq.next_k > 0 and not seq.request.reproducible:
                 cands.append((seq, seq.tokens + drafts,
-                              Candidate(seq.seq_id, len(drafts), spec.verify_rate(seq), seq.next_k)))
+                              Candidate(seq.seq_id, len(drafts), spec.verify_rate(seq), seq.next_k,
+                                        seq.tracker.rate)))
         for c in plan.chunks:
             cap = spec.cap(c.seq)
             if c.emit and cap > 0 and not c.seq.request.reproducible and not dormant:
@@ -63,8 +64,8 @@ def step_work(spec: Speculator, plan: StepPlan, sent: list[list[int]], upfront: 
 def branches_pay(spec: Speculator, plan: StepPlan, cands: list[Candidate]) -> bool:
     """Whether branches for a decode-only step's outcomes pay for the stretch they cause
     (DraftPacing.branches_pay): they name the outcome as often as past branches did (match_odds),
-    each hit worth its drafts' expected tokens beyond a plain decode's one."""
-    gain = spec.match_odds.rate * sum(expected_tokens(c.a, c.k) - 1 for c in cands)
+    each hit worth its drafts' expected tokens beyond a plain decode's one (at the draft's acceptance)."""
+    gain = spec.match_odds.rate * sum(c.gain for c in cands)
     emitted = sum(expected_tokens(spec.verify_rate(seq), k) for seq, k in plan.decodes)
     return spec.pacing.branches_pay(gain, emitted)
 

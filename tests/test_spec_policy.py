@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.draft_plans import branch_budget, step_work
+from router.draft_plans import branch_budget, branches_pay, step_work
 from router.spec_policy import AcceptancePool, AcceptanceTracker, Odds, choose_k, expected_tokens, worth_waiting_ms
 from router.step_costs import DraftCost, StepCostModel
 from router.upfront import drafts_upfront, grace_ms
@@ -376,6 +376,28 @@ def test_a_draft_on_other_cores_is_probed_too_and_treated_as_shared_once_it_meas
     assert [s for s in range(1, PROBE_EVERY + 1) if spec.pacing.rests(decode_only, s)] == [PROBE_EVERY]
     cands = [(None, [], Candidate(seq_id, 0, 0.7, 4)) for seq_id in range(3)]
     assert branch_budget(spec, cands, step_ms=1e6) == 3, "one branch per sequence: each extra one slows the target"
+
+
+def test_branches_are_worth_what_the_draft_s_own_drafts_are_accepted_at_not_the_verified_lookup_s():
+    """SmolLM2 on shared cores: a sequence verifying prompt lookup's guesses (accepted 0.77) would get
+    branches whose drafts come from the draft model (accepted 0.22). Valued at lookup's acceptance they
+    looked worth their stretch of the step and slowed decode 1.6x for nothing; valued at the draft's
+    they are not prepared, and a draft accepted as well as lookup's guesses still prepares them."""
+    from router.speculation import Candidate
+
+    spec = _speculator("host/cpu/0-1")
+    for _ in range(10):
+        _observe_slowdown(spec, 1.0, busy=False)
+        _observe_slowdown(spec, 1.3, busy=True)
+    spec.match_odds = Odds(hits=9.0, tries=10.0)
+    plan = _decoding(1)
+    seq = plan.decodes[0][0]
+    seq.lookup_tracker = AcceptanceTracker.starting_at(0.77)
+    spec.from_lookup.add(seq.seq_id)  # this step verifies lookup's guesses
+    weak, strong = Candidate(seq.seq_id, 3, 0.77, 4, draft_a=0.22), Candidate(seq.seq_id, 3, 0.77, 4, draft_a=0.77)
+    assert weak.gain == pytest.approx(expected_tokens(0.22, 4) - 1)
+    assert not branches_pay(spec, plan, [weak])
+    assert branches_pay(spec, plan, [strong])
 
 
 def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_when_no_decoder_took_its_proposals():
