@@ -132,6 +132,21 @@ def pass_ms(layers: list[Linear], rows: int, repeats: int, way: str = "rows") ->
     return best * 1e3
 
 
+def interleaved_ms(layers: list[Linear], ways: dict[str, list[int]], repeats: int) -> dict[str, dict[int, float]]:
+    """Best-of-`repeats` pass_ms per way and row count, every way timed once per count in each repeat
+    before the next repeat starts: a neighbour that takes the cores for a while (the other service
+    loading beside this one on shared cores) slows every way alike. Timed way after way, it had slowed
+    SmolLM2's as-is products to 55-65 ms for 1-3 rows (alone: 21-25) and its target then served one-row
+    decodes packed, 25-30% slower, in every stack that started its draft beside it."""
+    best = {way: {rows: float("inf") for rows in counts} for way, counts in ways.items()}
+    for _ in range(repeats):
+        for rows in sorted({r for counts in ways.values() for r in counts}):
+            for way, counts in ways.items():
+                if rows in counts:
+                    best[way][rows] = min(best[way][rows], pass_ms(layers, rows, 1, way))
+    return best
+
+
 def choose(row_major: dict[int, float], column_major: dict[int, float], num_layers: int,
            packed: dict[int, float] | None = None) -> SmallProducts:
     """Per row count 1..PAD_TO, the fastest way to run it (ms over all layers), where it clearly beats as
@@ -184,9 +199,10 @@ def calibrate(model: nn.Module, repeats: int = 3) -> SmallProducts:
     streamed = cache > 0 and size >= STREAMED * cache
     use(layers, SmallProducts(by_columns=frozenset(range(1, PAD_TO + 1)) if streamed else frozenset(),
                               packed=frozenset(counts) if packing else frozenset()))  # the copies, to time them
-    row_major = {rows: pass_ms(layers, rows, repeats) for rows in counts}
-    column_major = {rows: pass_ms(layers, rows, repeats, "columns") for rows in counts if streamed and rows <= PAD_TO}
-    packed = {rows: pass_ms(layers, rows, repeats, "packed") for rows in counts if packing}
+    timed = interleaved_ms(layers, {"rows": counts,
+                                    "columns": [r for r in counts if streamed and r <= PAD_TO],
+                                    "packed": counts if packing else []}, repeats)
+    row_major, column_major, packed = timed["rows"], timed["columns"], timed["packed"]
     small = choose(row_major, column_major, len(layers), packed)
     use(layers, small)
     log.info("CPU products of %s rows over the model's %d linears (%.0f MiB; cache %.0f MiB): as is %s ms, "
