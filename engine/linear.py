@@ -111,10 +111,10 @@ def linears(model: nn.Module) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
 
-def pass_ms(layers: list[Linear], rows: int, repeats: int, way: str = "rows") -> float:
-    """Best-of-`repeats` time of one product of `rows` rows with every layer's weight, in model order:
-    like a forward, each weight comes from memory, not from a cache warmed by the call before. way:
-    rows (as is), columns (the column-major copy) or packed (oneDNN's copy)."""
+def pass_ms(layers: list[Linear], rows: int, way: str = "rows") -> float:
+    """The time of one product of `rows` rows with every layer's weight, in model order: like a
+    forward, each weight comes from memory, not from a cache warmed by the call before. way: rows
+    (as is), columns (the column-major copy) or packed (oneDNN's copy). Repeats: interleaved_ms."""
     inputs = {f: torch.zeros(rows, f, device=layers[0].weight.device, dtype=layers[0].weight.dtype)
               for f in {layer.in_features for layer in layers}}
     product: Callable[[Linear], torch.Tensor] = {
@@ -122,14 +122,11 @@ def pass_ms(layers: list[Linear], rows: int, repeats: int, way: str = "rows") ->
         "columns": lambda layer: torch.mm(inputs[layer.in_features], layer.weight_t),
         "packed": lambda layer: packed_product(inputs[layer.in_features], layer.weight_packed, layer.bias),
     }[way]
-    best = float("inf")
     with torch.inference_mode():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for layer in layers:
-                product(layer)
-            best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+        t0 = time.perf_counter()
+        for layer in layers:
+            product(layer)
+        return (time.perf_counter() - t0) * 1e3
 
 
 def interleaved_ms(layers: list[Linear], ways: dict[str, list[int]], repeats: int) -> dict[str, dict[int, float]]:
@@ -143,7 +140,7 @@ def interleaved_ms(layers: list[Linear], ways: dict[str, list[int]], repeats: in
         for rows in sorted({r for counts in ways.values() for r in counts}):
             for way, counts in ways.items():
                 if rows in counts:
-                    best[way][rows] = min(best[way][rows], pass_ms(layers, rows, 1, way))
+                    best[way][rows] = min(best[way][rows], pass_ms(layers, rows, way))
     return best
 
 

@@ -135,8 +135,8 @@ def test_column_major_is_tried_only_for_linears_far_larger_than_the_cache(hf_che
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
     timed: list[bool] = []
     real = linear.pass_ms
-    monkeypatch.setattr(linear, "pass_ms", lambda layers, rows, repeats, way="rows":
-                        timed.append(way == "columns") or real(layers, rows, repeats, way))
+    monkeypatch.setattr(linear, "pass_ms", lambda layers, rows, way="rows":
+                        timed.append(way == "columns") or real(layers, rows, way))
     monkeypatch.setattr(linear, "largest_cache_bytes", lambda: cache)
     small = calibrate(runner.model, repeats=1)
     assert any(timed) == tried
@@ -183,7 +183,7 @@ def test_a_neighbour_busy_during_calibration_slows_every_way_alike(hf_checkpoint
              "packed": {1: 26.0, 2: 27.0, 3: 28.5, 4: 26.7, 8: 31.5, 16: 38.7, 32: 52.0, 64: 81.0, 128: 132.0}}
     calls: list[str] = []
 
-    def neighbour_then_quiet(layers, rows, repeats, way="rows"):  # noqa: ANN001, ANN202
+    def neighbour_then_quiet(layers, rows, way="rows"):  # noqa: ANN001, ANN202
         calls.append(way)
         return quiet[way][rows] * (3.0 if len(calls) <= len(quiet["rows"]) else 1.0)
 
