@@ -75,9 +75,10 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
            for r in ("plan", "no_draft_call", "draft_late", "no_proposal", "lookup")},
         # draft calls that stopped early (fewer than k drafts) to land before their step's answer
         "draft_stops_per_step": _ratio(_get(d, "tandem:draft_calls_stopped_total"), steps),
-        # ... and steps the draft sat out: resting to measure the target alone, busy, drafting upfront instead, down
+        # ... and steps the draft sat out: resting to measure the target alone, busy, drafting upfront instead, down,
+        # or resting because drafting was measured not to pay (router.regime)
         **{f"draft_rests_{r}": _ratio(_get(d, "tandem:draft_rests_total", reason=r), steps)
-           for r in ("probe", "busy", "upfront", "down")},
+           for r in ("probe", "busy", "upfront", "down", "regime")},
         "pipeline_waits_per_step": _ratio(_get(d, "tandem:pipeline_waits_total"), steps),
         "pipeline_waits_arrived": _ratio(_get(d, "tandem:pipeline_waits_total", outcome="arrived"),
                                          _get(d, "tandem:pipeline_waits_total")),

@@ -30,6 +30,7 @@ from router.core import FinishReason, Sequence, TokenLogprob
 from router.draft_plans import step_work, waiting_work
 from router.drafting import DraftLane
 from router.metrics import Metrics
+from router.regime import DraftRegime
 from router.request_stats import about, dispatched
 from router.scheduler import Scheduler, StepPlan
 from router.speculator import Speculator
@@ -66,6 +67,7 @@ class StepLoop:
         self.steps = 0
         self._pending_release: list[int] = []
         self._chained: ChainedStep | None = None  # the step sent behind the one running (router.chain)
+        self.regime = DraftRegime()  # whether the draft pays here at all, measured (dynamic k only)
         self._upfront: set[int] = set()  # decoders whose next proposals are drafted before the next step
         self._answered_at = 0.0  # perf_counter() when the target's last answer came
         self._round_trip_ms = ROUND_TRIP_PRIOR_MS  # what an unchained step's router+RPC part costs (decayed mean)
@@ -104,16 +106,19 @@ class StepLoop:
         if self._chained is not None:
             return await self._chained_iteration(t_start)
         upfront, self._upfront = self._upfront, set()  # the last step left these decoders' proposals to now
+        self.spec.drafting = drafting = self._drafting()
+        if not drafting:
+            upfront = set()
         self.spec.drafting_upfront = bool(upfront)  # priced as without pipelining: call, then step
         if not self.config.pipeline:
-            draft_ms = await sequential_proposals(self.spec)
+            draft_ms = await sequential_proposals(self.spec) if drafting else 0.0
         elif upfront:
             draft_ms = await sequential_proposals(self.spec, only=upfront)
             self.metrics.upfront_steps.inc()
         else:
             draft_ms = await wait_for_landing(self.spec, self.metrics.pipeline_waits)
         self.spec.new_step(upfront=upfront)
-        if self.config.pipeline:
+        if self.config.pipeline and drafting:
             draft_ms += await fill_misses(self.spec, self.metrics.pipeline_fills)
         only = self.faults.next_suspect()
         plan = self.scheduler.schedule(self.spec.choose_ks, self.spec.decode_ready, only)
@@ -154,6 +159,7 @@ class StepLoop:
         the last one answered, but the router's work on that answer is the last step's time)."""
         chained, self._chained = self._chained, None
         assert chained is not None and chained.plan is not None, "begun when the step ahead answered"
+        self.spec.drafting = self._drafting()  # for its draft call and the step after (booked already)
         self.metrics.chained_steps.inc()
         plan, sent = chained.plan, chained.sent
         t_target = self._answered_at  # the target went on with this step when the last one answered
@@ -183,13 +189,28 @@ class StepLoop:
         chained.launched = self._launch_draft(StepPlan(decodes=[chained.plan.decodes[i] for i in live]),
                                               [chained.sent[i] for i in live], None)
 
+    def _drafting(self) -> bool:
+        """Whether the draft works this step (router.regime): with dynamic k, on compute it shares with the
+        target, while it pays. On its own device its cost is its call's time, which the policy prices
+        (demo pair, two-device: the regime's noisy probes rested it at c = 4, where it made 1.17x lookup
+        alone). A seeded request needs its proposals from the draft (its k may not depend on timing): it
+        keeps it at work."""
+        running = self.scheduler.running
+        if not (self.config.dynamic_k and self.draft.up and self.spec.pacing.shares_compute()) \
+                or any(s.request.reproducible for s in running):
+            self.regime.unmeasured()
+            return True
+        return self.regime.drafting(len(running))
+
     def _launch_draft(self, plan: StepPlan, sent: list[list[int]], trace: StepTrace | None) -> bool:
         """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle;
         no branches for the decoders whose proposals are better drafted before the next step
-        (upfront.drafts_upfront), and no work at all where that leaves it nothing to mirror."""
-        self._upfront = upfront = drafts_upfront(self.spec, plan)
+        (upfront.drafts_upfront), and no work at all where that leaves it nothing to mirror. Resting
+        (router.regime), it only mirrors prompt chunks."""
+        self._upfront = upfront = drafts_upfront(self.spec, plan) if self.spec.drafting else set()
         rest = "upfront" if upfront and not plan.chunks else "down" if not self.draft.up \
-            else "busy" if not self.draft.idle else "probe" if self.spec.pacing.rests(plan, self.steps) else None
+            else "busy" if not self.draft.idle else "regime" if not (self.spec.drafting or plan.chunks) \
+            else "probe" if self.spec.pacing.rests(plan, self.steps) else None
         if rest is not None:
             if self.config.pipeline and self.draft.client is not None:
                 self._rests.labels(reason=rest).inc()
@@ -299,5 +320,9 @@ class StepLoop:
         self._parts["draft"].observe(draft_ms / 1000)
         router_ms = max(0.0, total_ms - response.forward_ms - draft_ms)
         self._parts["router"].observe(router_ms / 1000)
+        decoders = {s.seq_id for s, _ in plan.decodes}
+        emitted = sum(len(r.tokens) for r in response.results if r.seq_id in decoders)
+        prompt_tokens = tokens - sum(1 + k for _, k in plan.decodes)
+        self.regime.observe(emitted, total_ms - self.spec.cost.beta * prompt_tokens)  # the decoders' share
         if not chained:  # what waiting for an answer costs (lookup_beats_chaining)
             self._round_trip_ms += 0.05 * (router_ms - self._round_trip_ms)

@@ -30,6 +30,7 @@ class Speculator:
         self.pacing = DraftPacing(config, draft, self.cost.step_ms, target_compute)
         self.draft_cost = DraftCost(pipelined=config.pipeline)
         self.drafting_upfront = False  # this iteration's proposals are drafted before its step (upfront.py)
+        self.drafting = True  # the draft works this step (router.regime): else it rests, prompt lookup alone
         self.branch_cost = BranchCost()
         self.wait_odds = Odds()  # how often a wait for the draft saw its call arrive (grace_ms)
         self.match_odds = Odds()  # how often a decoder's prepared branches held its outcome (hit vs wrong)
@@ -83,6 +84,8 @@ class Speculator:
         draft's proposals are not worth their cost now (a lookup costs no draft work)."""
         caps = [self.cap(s) for s in decoders]
         offers = [self._offers(s) if cap > 0 else (([], []), ([], [])) for s, cap in zip(decoders, caps, strict=True)]
+        if not self.drafting:  # the draft rests (router.regime): no call will fill a sequence that has no offer
+            caps = [cap if drafted[0] or looked[0] else 0 for cap, (drafted, looked) in zip(caps, offers, strict=True)]
         by_lookup = [self.prefers_lookup(s, len(d[0][:cap]), len(lk[0][:cap]))
                      for s, cap, (d, lk) in zip(decoders, caps, offers, strict=True)]
         if self.config.dynamic_k:
@@ -102,7 +105,7 @@ class Speculator:
     def chain_ks(self, decoders: list[Sequence]) -> list[int]:
         """k per decoder for a step chained behind the one running (router.chain): the policy's wish,
         from the draft (lookup's guesses need the outcome, which only the target knows yet)."""
-        if not self.draft.up:
+        if not (self.draft.up and self.drafting):
             return [0] * len(decoders)
         caps = [self.cap(s) for s in decoders]
         if not self.config.dynamic_k:
@@ -196,7 +199,7 @@ class Speculator:
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
         late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
-        if seq.next_k <= 0 or not self.draft.up or seq.seq_id in self.lookup_over_draft \
+        if seq.next_k <= 0 or not (self.draft.up and self.drafting) or seq.seq_id in self.lookup_over_draft \
                 or seq.seq_id in self.drafted_upfront:
             return None
         if seq.seq_id in self.filled:

@@ -1,0 +1,147 @@
+"""Whether the draft model pays here at all, measured rather than modelled: the step loop's decode
+tokens per ms with the draft at work, against the same with the draft resting (prompt lookup alone),
+each tried in turn now and then. Resting, the draft proposes nothing; it mirrors prompt chunks only
+where it does not slow the target (its own device), and catches up when back at work.
+
+The policy (spec_policy.choose_k, upfront, pacing) prices the draft's work from fitted models of what
+steps and calls cost. Where those miss, drafting can cost more than it yields and nothing in the
+models says so: on two shared cores a 4-round demo draft call took 4.7-5.2 ms, more than the target's
+3.6 ms decode, and doubled the step it ran beside; the defaults (6) made 0.66-0.75x of prompt lookup
+alone (7) there, and two fixes to the pricing lost (docs/benchmarks-history.md). This watches the
+outcome instead, as a user's benchmark would:
+
+    [ preferred ......... probe_after ][ the other, WINDOW ][ preferred ........ probe_after ][ ...
+                      PAIRED steps ^^^  vs  ^^^ the probe's  vs  ^^^ PAIRED steps -> one paired sample
+
+Tokens per ms swing with the text (prompt lookup finds repeated blocks or none), so a probe is
+compared with the preferred regime's steps just before and just after it, on about the same requests,
+and the median of the last EVIDENCE paired samples decides: the preference turns when it favours the
+other regime by MARGIN. Probes come PROBE_AFTER steps apart (spacing them out while they confirm the
+preference left the bench's loads, a few hundred steps each, with one or two probes, and a noisy first
+one held for a whole load). The first SETTLE steps of a run are not measured: proposals
+prepared before it still land in it, and a draft back at work first catches up on what it missed.
+
+The preference is kept per size of load (running sequences; sizes 1, 2, 3-5, 6-11, 12-23, ...: a
+closed loop of c clients dips below c between requests, and c = 4 or 16 should not cross a bound each
+time), and a size seen for the first time starts from the evidence of the size before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+WINDOW = 16  # steps a probe of the other regime runs
+PROBE_AFTER = 96  # steps of the preferred regime between probes (a probe costs 1/7 of the gap, if any)
+FIRST_PROBE = 16  # ... before the first probe of a stack
+SETTLE = 3  # first steps of a run not measured
+PAIRED = WINDOW - SETTLE  # measured steps of the preferred regime paired with a probe, before it and after it
+EVIDENCE = 5  # the last paired samples whose median decides
+MARGIN = 0.03  # the other regime must make this much more per ms to be preferred
+
+
+def _per_ms(steps: list[tuple[int, float]]) -> float:
+    ms = sum(m for _, m in steps)
+    return sum(t for t, _ in steps) / ms if ms > 0 else 0.0
+
+
+@dataclass
+class _Size:
+    prefer: bool = True  # drafting, until measured otherwise
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=EVIDENCE))  # log(resting / drafting)
+    current: bool = True  # the regime running now
+    run: int = 0  # steps of the current run
+    before: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PAIRED))  # preferred: (tokens, ms)
+    probe: list[tuple[int, float]] = field(default_factory=list)  # the probe's measured steps
+    after: list[tuple[int, float]] | None = None  # preferred steps after a probe, until PAIRED of them
+
+    @property
+    def evidence(self) -> float:
+        return statistics.median(self.samples) if self.samples else 0.0
+
+    def add(self, tokens: int, ms: float) -> None:
+        if self.current != self.prefer:
+            self.probe.append((tokens, ms))
+            return
+        if self.after is None:
+            self.before.append((tokens, ms))
+            return
+        self.after.append((tokens, ms))
+        if len(self.after) >= PAIRED:
+            self._paired()
+
+    def begin_probe(self) -> None:
+        if self.after is not None:  # the last probe's after-steps were cut short by this one
+            self._paired()
+        self.probe, self.after = [], None
+        self.current, self.run = not self.prefer, 0
+
+    def end_probe(self) -> None:
+        self.after = [] if len(self.probe) >= PAIRED // 2 and self.before else None
+        self.current, self.run = self.prefer, 0
+
+    def _paired(self) -> None:
+        """One sample: the probe against the preferred regime's steps around it (before and after cancel
+        a drift in the text's yield)."""
+        assert self.after is not None
+        around, probe = _per_ms(list(self.before) + self.after), _per_ms(self.probe)
+        self.before.extend(self.after)
+        self.after = None
+        if probe <= 0 or around <= 0:
+            return
+        ratio = math.log(probe / around)  # the probe's regime over the preferred one
+        self.samples.append(-ratio if self.prefer is False else ratio)
+        evidence = self.evidence
+        if abs(evidence) > math.log(1 + MARGIN) and (evidence < 0) != self.prefer:
+            self.prefer = evidence < 0
+            self.current, self.run, self.before = self.prefer, 0, deque(maxlen=PAIRED)
+            log.info("draft regime: %s (tokens per ms resting / drafting %.3f, median of %d probes)",
+                     "drafting" if self.prefer else "the draft rests, prompt lookup alone", math.exp(evidence),
+                     len(self.samples))
+
+
+class DraftRegime:
+    def __init__(self) -> None:
+        self.sizes: dict[int, _Size] = {}
+        self._last: _Size | None = None  # the size of the last step decided
+        self._measured: _Size | None = None  # ... while that step is to be measured
+
+    @staticmethod
+    def size_of(running: int) -> int:
+        return 0 if running < 2 else int(math.log2(running / 1.5)) + 1
+
+    def drafting(self, running: int) -> bool:
+        """The regime of the next step, with `running` sequences: True to draft. A step of no sequences
+        (the loop found nothing to do) is no step of a run."""
+        if running == 0:
+            self._measured = None
+            return self._last.current if self._last is not None else True
+        key = self.size_of(running)
+        if key not in self.sizes:
+            last = self._last
+            self.sizes[key] = _Size() if last is None else \
+                _Size(last.prefer, deque(last.samples, maxlen=EVIDENCE), last.prefer)
+        size = self._last = self.sizes[key]
+        if size.current != size.prefer and size.run >= WINDOW:
+            size.end_probe()
+        elif size.current == size.prefer and size.run >= (PROBE_AFTER if size.samples else FIRST_PROBE):
+            size.begin_probe()
+        size.run += 1
+        self._measured = size if size.run > SETTLE else None
+        return size.current
+
+    def unmeasured(self) -> None:
+        """The next step is decided elsewhere (no draft, a seeded request): it is not a sample."""
+        self._measured = None
+
+    def observe(self, tokens: int, ms: float) -> None:
+        """The step drafting() decided last: the tokens its decoders emitted and the loop's time for it
+        (ms, prompt chunks' own share taken out). Only settled steps with decoders count."""
+        size, self._measured = self._measured, None
+        if size is not None and tokens > 0 and ms > 0:
+            size.add(tokens, ms)

@@ -1,0 +1,158 @@
+"""Whether the draft works at all (router.regime): drafting until resting it is measured to make more
+tokens per ms, each regime tried again now and then, per size of load."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from router.config import RouterConfig
+from router.regime import FIRST_PROBE, MARGIN, PAIRED, PROBE_AFTER, SETTLE, WINDOW, DraftRegime
+from tests.conftest import hf_greedy
+from tests.stack import REALISTIC_STEP_S, complete, start_draft, start_router, start_target
+from tests.test_router_integration import metric, prompts
+
+Rate = Callable[[bool, int], float]  # (drafting, step) -> tokens per ms
+
+
+def run(regime: DraftRegime, steps: int, running: int, rate: Rate, start: int = 0) -> list[bool]:
+    """`steps` steps of `running` sequences, each making rate(drafting, step) tokens per ms: the regimes taken."""
+    taken = []
+    for step in range(start, start + steps):
+        drafting = regime.drafting(running)
+        regime.observe(round(100 * rate(drafting, step)), 100.0)
+        taken.append(drafting)
+    return taken
+
+
+def runs(taken: list[bool]) -> list[tuple[bool, int]]:
+    """Consecutive steps of one regime: (drafting, steps)."""
+    out: list[tuple[bool, int]] = []
+    for d in taken:
+        if out and out[-1][0] == d:
+            out[-1] = (d, out[-1][1] + 1)
+        else:
+            out.append((d, 1))
+    return out
+
+
+def drafting_pays(drafting: bool, step: int) -> float:
+    return 3.0 if drafting else 2.0
+
+
+def resting_pays(drafting: bool, step: int) -> float:
+    return 2.0 if drafting else 3.0
+
+
+def test_it_drafts_first_then_tries_resting_for_a_window_now_and_then_and_keeps_the_better():
+    taken = run(DraftRegime(), FIRST_PROBE + 3 * (WINDOW + PROBE_AFTER), 1, drafting_pays)
+    assert runs(taken) == [(True, FIRST_PROBE)] + [(False, WINDOW), (True, PROBE_AFTER)] * 3
+
+
+def test_a_draft_that_costs_more_than_it_yields_rests_and_is_tried_again_now_and_then():
+    taken = run(DraftRegime(), FIRST_PROBE + WINDOW + SETTLE + PAIRED + 3 * PROBE_AFTER + 2 * WINDOW, 1, resting_pays)
+    # drafting goes on for the steps paired with the probe (PAIRED, once settled), then rests
+    assert runs(taken) == [(True, FIRST_PROBE), (False, WINDOW), (True, SETTLE + PAIRED)] + \
+        [(False, PROBE_AFTER), (True, WINDOW)] * 2 + [(False, PROBE_AFTER)]
+
+
+def test_a_difference_within_the_margin_keeps_the_draft_at_work():
+    taken = run(DraftRegime(), 6 * (PROBE_AFTER + WINDOW), 4, lambda drafting, step: 10.0 if drafting else
+                10.0 * (1 + MARGIN / 2))
+    assert all(drafting for drafting, n in runs(taken) if n > WINDOW) and taken[-1]
+
+
+def test_it_follows_a_change_in_what_pays_within_a_few_probes():
+    regime = DraftRegime()
+    run(regime, 8 * (PROBE_AFTER + WINDOW), 1, resting_pays)
+    assert not regime.drafting(1)
+    taken = run(regime, 12 * (PROBE_AFTER + WINDOW), 1, drafting_pays)
+    assert [drafting for drafting, n in runs(taken) if n > WINDOW][-1]  # the median of the last probes turned
+    assert taken[-PROBE_AFTER // 2:] == [True] * (PROBE_AFTER // 2)
+
+
+def test_text_that_helps_lookup_more_or_less_does_not_hide_which_pays():
+    """Tokens per ms swing with each request's text (prompt lookup finds repeated blocks or none), for
+    both regimes alike: here a request of 40 steps makes 0.3-1.7x the mean. A probe is paired with the
+    preferred regime's steps before and after it, and the median of the last few pairs decides, so
+    drafting, 20% ahead throughout, keeps its place although a lean request's drafting makes less than
+    a rich one's resting."""
+    for seed in range(5):
+        rng = random.Random(seed)
+        levels = [rng.uniform(0.3, 1.7) for _ in range(100)]
+        taken = run(DraftRegime(), 3000, 1,
+                    lambda drafting, step, levels=levels: levels[step // 40] * (1.2 if drafting else 1.0))
+        assert all(drafting for drafting, n in runs(taken) if n > WINDOW)
+
+
+def test_a_new_size_of_load_starts_from_the_last_sizes_preference_and_then_keeps_its_own():
+    regime = DraftRegime()
+    run(regime, 2 * (PROBE_AFTER + WINDOW), 1, resting_pays)
+    taken = run(regime, 8 * (PROBE_AFTER + WINDOW), 16, drafting_pays)
+    assert not taken[0]  # c = 16 starts resting, as c = 1 was
+    assert [drafting for drafting, n in runs(taken) if n > WINDOW][-1]
+    assert not run(regime, 1, 1, resting_pays)[0]  # c = 1 still rests
+    assert regime.size_of(3) == regime.size_of(4) == regime.size_of(5) != regime.size_of(6)
+    assert regime.size_of(12) == regime.size_of(16) == regime.size_of(23) != regime.size_of(11)
+
+
+def test_the_first_steps_of_a_run_are_not_measured():
+    """A switch's first steps carry the other regime's effects (proposals prepared before it, a draft
+    catching up): were they measured, this draft, worth nothing only while it settles, would rest."""
+    regime = DraftRegime()
+    taken: list[bool] = []
+    for _ in range(6 * (PROBE_AFTER + WINDOW)):
+        drafting = regime.drafting(1)
+        settling = (runs(taken)[-1][1] if taken and taken[-1] == drafting else 0) < SETTLE
+        regime.observe(0 if drafting and settling else (300 if drafting else 200), 100.0)
+        taken.append(drafting)
+    assert all(drafting for drafting, n in runs(taken) if n > WINDOW)
+
+
+def test_steps_decided_elsewhere_are_not_samples():
+    regime = DraftRegime()
+    for _ in range(FIRST_PROBE + WINDOW + PROBE_AFTER):
+        regime.unmeasured()  # the loop's choice for a seeded request (or no draft): it drafts
+        regime.observe(0, 10.0)
+    assert all(not size.before and not size.samples for size in regime.sizes.values())
+
+
+# ---- the step loop with real services on loopback -------------------------------------------------
+class Scripted(DraftRegime):
+    """The regime's choice given by the test: resting for the first `rest_steps` steps, then drafting."""
+
+    def __init__(self, rest_steps: int) -> None:
+        super().__init__()
+        self.rest_steps, self.steps = rest_steps, 0
+
+    def drafting(self, running: int) -> bool:
+        self.steps += running > 0  # (the loop asks on idle turns too)
+        return self.steps > self.rest_steps
+
+
+def test_a_resting_draft_proposes_nothing_and_catches_up_when_back_at_work(model_pair):
+    """Resting, the loop verifies no drafts (prompt lookup off here) and the draft only mirrors prompts;
+    back at work mid-request, the draft catches up on the tokens it missed and every draft it proposes
+    is accepted (it is the target's own weights). Greedy outputs are transformers' throughout."""
+    target_dir, _ = model_pair
+    target, _ = start_target(target_dir, step_delay_s=REALISTIC_STEP_S)
+    draft, _ = start_draft(target_dir)
+    router = start_router(RouterConfig(k_max=4, prompt_lookup=False), target.address, draft.address, target_dir)
+    try:
+        lane = next(iter(router.server.engine.lanes.values()))
+        lane.loop.regime = Scripted(rest_steps=10**9)
+        p = prompts(2)[1]
+        assert complete(router.url, p, 24)["choices"][0]["token_ids"] == hf_greedy(target_dir, p, 24)
+        assert metric(router.url, "tandem:spec_decode_num_draft_tokens_total") == 0
+        assert metric(router.url, 'tandem:draft_rests_total{reason="regime"}') > 0
+        assert metric(router.url, "tandem:pipeline_lookups_total") == 0
+        rested = metric(router.url, 'tandem:draft_rests_total{reason="regime"}')
+
+        lane.loop.regime = Scripted(rest_steps=12)  # back at work 12 steps into the next request
+        q = prompts(3)[2]
+        assert complete(router.url, q, 40)["choices"][0]["token_ids"] == hf_greedy(target_dir, q, 40)
+        assert metric(router.url, 'tandem:draft_rests_total{reason="regime"}') > rested
+        drafted = metric(router.url, "tandem:spec_decode_num_draft_tokens_total")
+        assert drafted > 0 and metric(router.url, "tandem:spec_decode_num_accepted_tokens_total") == drafted
+    finally:
+        router.stop(), target.stop(), draft.stop()
