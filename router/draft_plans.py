@@ -28,9 +28,8 @@ def step_work(spec: Speculator, plan: StepPlan, sent: list[list[int]], upfront: 
     # own. A sequence on lookup only because the draft had nothing ready for it (late) is not one:
     # resting the draft for it would keep it late, and on lookup, for as long as lookup has offers.
     idle_draft = spec.pacing.slows_target() and not spec.from_draft
-    # (only chunks are mirrored); resting (router.regime) where it slows the target, it does not even mirror them
-    dormant = bool(plan.chunks) and idle_draft and (not spec.drafting or spec.draft_dormant())
-    if spec.config.pipeline and spec.drafting:
+    dormant = bool(plan.chunks) and idle_draft and spec.draft_dormant()  # (only chunks are mirrored)
+    if spec.config.pipeline:
         for (seq, _), drafts in zip(plan.decodes, sent, strict=True):
             if upfront and seq.seq_id in upfront:
                 continue

@@ -67,7 +67,7 @@ class StepLoop:
         self.steps = 0
         self._pending_release: list[int] = []
         self._chained: ChainedStep | None = None  # the step sent behind the one running (router.chain)
-        self.regime = DraftRegime()  # whether the draft pays here at all, measured (dynamic k only)
+        self.regime = DraftRegime()  # whether the draft pays at all, measured (dynamic k, shared compute)
         self._upfront: set[int] = set()  # decoders whose next proposals are drafted before the next step
         self._answered_at = 0.0  # perf_counter() when the target's last answer came
         self._round_trip_ms = ROUND_TRIP_PRIOR_MS  # what an unchained step's router+RPC part costs (decayed mean)
@@ -206,10 +206,11 @@ class StepLoop:
         """Hand the draft this step's work (its chunks mirrored, branches for its outcomes), if it is idle;
         no branches for the decoders whose proposals are better drafted before the next step
         (upfront.drafts_upfront), and no work at all where that leaves it nothing to mirror. Resting
-        (router.regime), it only mirrors prompt chunks."""
+        (router.regime), it does nothing: on the cores it shares with the target even mirroring prompts
+        slowed the target (it catches up when back at work)."""
         self._upfront = upfront = drafts_upfront(self.spec, plan) if self.spec.drafting else set()
-        rest = "upfront" if upfront and not plan.chunks else "down" if not self.draft.up \
-            else "busy" if not self.draft.idle else "regime" if not (self.spec.drafting or plan.chunks) \
+        rest = "regime" if not self.spec.drafting else "upfront" if upfront and not plan.chunks \
+            else "down" if not self.draft.up else "busy" if not self.draft.idle \
             else "probe" if self.spec.pacing.rests(plan, self.steps) else None
         if rest is not None:
             if self.config.pipeline and self.draft.client is not None:

@@ -1,7 +1,7 @@
 """Whether the draft model pays here at all, measured rather than modelled: the step loop's decode
 tokens per ms with the draft at work, against the same with the draft resting (prompt lookup alone),
-each tried in turn now and then. Resting, the draft proposes nothing; it mirrors prompt chunks only
-where it does not slow the target (its own device), and catches up when back at work.
+each tried in turn now and then. Resting, the draft does nothing, not even mirror prompts, and catches
+up when back at work. The step loop asks only where the draft shares the target's compute.
 
 The policy (spec_policy.choose_k, upfront, pacing) prices the draft's work from fitted models of what
 steps and calls cost. Where those miss, drafting can cost more than it yields and nothing in the
@@ -95,7 +95,7 @@ class _Size:
         if probe <= 0 or around <= 0:
             return
         ratio = math.log(probe / around)  # the probe's regime over the preferred one
-        self.samples.append(-ratio if self.prefer is False else ratio)
+        self.samples.append(ratio if self.prefer else -ratio)
         evidence = self.evidence
         if abs(evidence) > math.log(1 + MARGIN) and (evidence < 0) != self.prefer:
             self.prefer = evidence < 0
