@@ -323,7 +323,7 @@ class StepLoop:
         self._parts["router"].observe(router_ms / 1000)
         decoders = {s.seq_id for s, _ in plan.decodes}
         emitted = sum(len(r.tokens) for r in response.results if r.seq_id in decoders)
-        prompt_tokens = tokens - sum(1 + k for _, k in plan.decodes)
+        prompt_tokens = sum(c.end - c.start for c in plan.chunks)
         self.regime.observe(emitted, total_ms - self.spec.cost.beta * prompt_tokens)  # the decoders' share
         if not chained:  # what waiting for an answer costs (lookup_beats_chaining)
             self._round_trip_ms += 0.05 * (router_ms - self._round_trip_ms)

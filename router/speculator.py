@@ -45,6 +45,11 @@ class Speculator:
         self.drafted_upfront: set[int] = set()  # decoders whose proposals were drafted before this step (upfront.py)
         draft.on_cost = self._observe_draft
 
+    @property
+    def draft_at_work(self) -> bool:
+        """The draft is up and not resting this step (router.regime)."""
+        return self.draft.up and self.drafting
+
     # ---- k and proposals ------------------------------------------------------------------------
     def cap(self, seq: Sequence) -> int:
         """Largest k this sequence may use now (0: plain decoding)."""
@@ -105,7 +110,7 @@ class Speculator:
     def chain_ks(self, decoders: list[Sequence]) -> list[int]:
         """k per decoder for a step chained behind the one running (router.chain): the policy's wish,
         from the draft (lookup's guesses need the outcome, which only the target knows yet)."""
-        if not (self.draft.up and self.drafting):
+        if not self.draft_at_work:
             return [0] * len(decoders)
         caps = [self.cap(s) for s in decoders]
         if not self.config.dynamic_k:
@@ -199,7 +204,7 @@ class Speculator:
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
         late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
-        if seq.next_k <= 0 or not (self.draft.up and self.drafting) or seq.seq_id in self.lookup_over_draft \
+        if seq.next_k <= 0 or not self.draft_at_work or seq.seq_id in self.lookup_over_draft \
                 or seq.seq_id in self.drafted_upfront:
             return None
         if seq.seq_id in self.filled:
