@@ -35,12 +35,13 @@ class Speculator:
         self.wait_odds = Odds()  # how often a wait for the draft saw its call arrive (grace_ms)
         self.match_odds = Odds()  # how often a decoder's prepared branches held its outcome (hit vs wrong)
         self.draft_acceptance = AcceptancePool()  # new sequences' priors, for the draft's proposals
-        self.lookup_acceptance = AcceptancePool()  # ... and for prompt lookup's
+        self.lookup_acceptance = AcceptancePool.for_lookup()  # ... and for prompt lookup's
         self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
         self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
+        self.lookup_passed: set[int] = set()  # decoders that had a prompt-lookup proposal and verified another
         self.filled: dict[int, str] = {}  # decoders whose miss (late / wrong) a plain proposal filled (upfront.py)
         self.drafted_upfront: set[int] = set()  # decoders whose proposals were drafted before this step (upfront.py)
         draft.on_cost = self._observe_draft
@@ -157,6 +158,8 @@ class Speculator:
                 self.lookup_over_draft.add(seq.seq_id)
         elif drafted[0]:
             self.from_draft.add(seq.seq_id)
+        if looked[0] and chosen is not looked:
+            self.lookup_passed.add(seq.seq_id)
         return min(k, len(chosen[0]))
 
     def decoding(self) -> list[Sequence]:
@@ -220,6 +223,7 @@ class Speculator:
         self.from_draft.clear()
         self.from_lookup.clear()
         self.lookup_over_draft.clear()
+        self.lookup_passed.clear()
         self.filled.clear()
 
     def observe_outcome(self, seq: Sequence, v: int, accepted: int, token: int) -> None:

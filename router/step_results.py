@@ -49,6 +49,8 @@ class StepResults:
         by_lookup = seq.seq_id in self.spec.from_lookup
         (seq.lookup_tracker if by_lookup else seq.tracker).update(k, res.num_accepted)
         (self.spec.lookup_acceptance if by_lookup else self.spec.draft_acceptance).observe(k, res.num_accepted)
+        if seq.seq_id in self.spec.lookup_passed:
+            self.spec.lookup_acceptance.passed(seq.lookup_tracker)
         seq.stats.verified(k, res.num_accepted)
         if k:
             self.metrics.num_drafts.inc()

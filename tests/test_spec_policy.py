@@ -120,6 +120,29 @@ def test_a_new_sequence_starts_from_the_pooled_acceptance_not_a_fixed_prior():
     assert choose_k([pool.tracker().rate], [4], 0, CPU) == [0]
 
 
+def test_a_couple_of_early_failures_do_not_sink_the_pool():
+    """The pool's prior is worth ten trials: two lookups failed in a warm-up left it at 0.35 with a
+    prior of two, and the load after it started every sequence there."""
+    pool = AcceptancePool.for_lookup()
+    pool.observe(3, 0)
+    pool.observe(4, 0)
+    assert pool.tracker().rate > 0.55
+    for _ in range(60):
+        pool.observe(4, 0)
+    assert pool.tracker().rate < 0.15, "evidence still wins within a request's worth of steps"
+
+
+def test_lookup_s_pool_drifts_back_in_hundreds_of_idle_sequence_steps_the_draft_s_in_thousands():
+    draft, lookup = AcceptancePool(), AcceptancePool.for_lookup()
+    for pool in (draft, lookup):
+        for _ in range(200):
+            pool.observe(4, 0)
+        for _ in range(300):
+            pool.observe(0, 0)
+    assert draft.tracker().rate < 0.1
+    assert lookup.tracker().rate > 0.6
+
+
 def test_a_sequence_that_stopped_speculating_drifts_back_to_the_pool_s_rate_not_to_an_optimistic_one():
     """Where drafts are rarely accepted, a sequence held at k = 0 must not talk itself back into
     speculating every few dozen steps (each retry a dearer step, and a draft catching up on tokens it

@@ -83,3 +83,35 @@ def test_each_decoder_that_wanted_drafts_is_a_pipeline_hit_late_or_wrong():
 
     results.count_outcomes(StepPlan(decodes=[(hit, 2)]), draft_up=False)
     assert _value(metrics, "tandem:pipeline_lookups_total") == 3, "no draft, no pipeline to score"
+
+
+def test_lookup_s_estimate_passed_over_for_the_draft_s_proposals_drifts_back_instead_of_freezing():
+    """Prompt lookup verified only where it looks better than the draft: a sequence whose last lookups
+    failed would never verify one again while the draft is preferred (its estimate frozen where they
+    left it), nor would the pool. Passed over, both drift: the sequence's toward the pool's rate, the
+    pool toward its prior, so lookup gets another try (a small model's text falls into loops late)."""
+    from router.speculation import Prepared
+
+    spec, _, _, results = _books()
+    seq = _seq(1, [7, 8, 9, 7, 8, 9, 7, 8])  # lookup offers [9, 7, 8, 9]
+    seq.lookup_tracker = spec.lookup_acceptance.tracker()
+    for _ in range(6):
+        seq.lookup_tracker.update(4, 0)
+        spec.lookup_acceptance.observe(4, 0)
+    frozen, pool_low = seq.lookup_tracker.rate, spec.lookup_acceptance.pooled.rate
+    assert frozen < 0.2 and pool_low < 0.5
+    for _ in range(1000):
+        n = len(seq.tokens)
+        seq.prepared = [Prepared(n, (), (1, 2, 3, 4))]  # the draft's offer for this history
+        spec.new_step()
+        ks = spec.choose_ks([seq], 0)
+        assert spec.lookup(seq)[0], "lookup has an offer every step"
+        if seq.seq_id in spec.from_lookup:
+            break
+        assert seq.seq_id in spec.lookup_passed and ks[0] > 0
+        response = target_pb2.StepResponse(results=[target_pb2.EntryResult(  # the draft's first draft accepted
+            seq_id=1, tokens=[1, 5], num_accepted=1, cached_len=n + 2)])
+        results.apply(StepPlan(decodes=[(seq, ks[0])]), [[1, 2, 3, 4][:ks[0]]], response)  # history unchanged
+    else:
+        raise AssertionError("lookup never verified again")
+    assert seq.lookup_tracker.rate > frozen and spec.lookup_acceptance.pooled.rate > pool_low
