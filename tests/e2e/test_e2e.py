@@ -248,12 +248,15 @@ def test_target_killed_and_restarted_requests_recompute_or_fail_503(stack, clien
 
 
 def test_multi_turn_chat_attaches_the_cached_history_in_both_services(stack, client, model, ref):
-    """Each turn resends the conversation: its earlier turns are cached KV in the target and the draft."""
+    """Each turn resends the conversation: its earlier turns are cached KV in the target and the draft.
+    Seeded sampling from the top token alone: the greedy answer, and a request that keeps the draft at
+    work (on the cores it shares with the target a greedy one may find it resting, router.regime)."""
     before = {s: _metric(stack, f'tandem:prefix_cache_hits_total{{service="{s}"}}') for s in ("target", "draft")}
     messages = [("system", long_prompt(12)), ("user", "Sum the values.")]
     for turn in range(3):
         out = client.chat.completions.create(model=model, messages=[{"role": r, "content": c} for r, c in messages],
-                                             max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+                                             max_tokens=16, temperature=1.0, seed=turn,
+                                             extra_body={"ignore_eos": True, "top_k": 1})
         prompt = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"  # the plain fallback
         assert out.choices[0].message.content == ref.decode(ref.greedy(ref.encode(prompt), 16))
         messages += [("assistant", out.choices[0].message.content), ("user", f"Now only the first {turn + 2}.")]
