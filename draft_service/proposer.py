@@ -294,13 +294,15 @@ class Proposer:
                 logits[n:n + 1] = row.state.process(logits[n:n + 1], row.position + 1)  # type: ignore[union-attr]
         greedy = [n for n, i in enumerate(live) if rows[i].request.spec.greedy]
         sampled = [n for n, i in enumerate(live) if not rows[i].request.spec.greedy]
-        if greedy:
-            for n, tok in zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True):
+        if greedy:  # all rows greedy (the usual case): no gather of their logits first
+            rows_greedy = logits if len(greedy) == len(live) else logits[greedy]
+            for n, tok in zip(greedy, rows_greedy.argmax(-1).tolist(), strict=True):
                 drawn[n] = tok
         if sampled:
             specs = [rows[live[n]].request.spec for n in sampled]
             # q is the target's filtered distribution truncated to the top n: exactly what is sampled
-            ids, q = truncate_top(filtered_probs(logits[sampled], specs), self.sparse_top_n, self.sparse_q_mass)
+            rows_sampled = logits if len(sampled) == len(live) else logits[sampled]
+            ids, q = truncate_top(filtered_probs(rows_sampled, specs), self.sparse_top_n, self.sparse_q_mass)
             # a draft sits at position + 1 (the next draw continues the token at `position`)
             draws = [(rows[live[n]].request.spec.seed, rows[live[n]].position + 1, DRAFT_STREAM) for n in sampled]
             picks = sample(q, uniforms(draws, q.device))
