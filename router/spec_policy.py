@@ -77,14 +77,18 @@ class AcceptancePool:
     The prior is worth ten trials, not a sequence's two: the bench's warm-up (four requests of eight
     tokens) failed two lookups and left the pool at 0.35 for the load after it."""
 
-    pooled: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(
-        accepted=7.0, tried=10.0, decay=0.98, drift=0.002))
+    pooled: AcceptanceTracker = field(default_factory=lambda: AcceptancePool.prior(drift=0.002))
+
+    @staticmethod
+    def prior(drift: float) -> AcceptanceTracker:
+        """The optimistic 0.7 worth ten trials, decaying over about fifty."""
+        return AcceptanceTracker(accepted=7.0, tried=10.0, decay=0.98, drift=drift)
 
     @classmethod
     def for_lookup(cls) -> AcceptancePool:
         """Prompt lookup's pool drifts back ten times faster (hundreds of sequence-steps): its guesses cost
         no draft work, a wrong one only its verification slots, so another try is cheap."""
-        return cls(AcceptanceTracker(accepted=7.0, tried=10.0, decay=0.98, drift=0.02))
+        return cls(cls.prior(drift=0.02))
 
     def observe(self, k: int, num_accepted: int) -> None:
         self.pooled.update(k, num_accepted)
