@@ -149,7 +149,7 @@ class Proposer:
         vocab = r.model_config.vocab_size
         seen: set[int] = set()
         missing: list[int] = []
-        total = forks = fork_blocks = 0
+        total = rows = fork_blocks = 0
         for n, q in enumerate(items):
             at = f"{where}[{n}]"
             if q.seq_id in seen:
@@ -176,7 +176,7 @@ class Proposer:
                     raise InvalidInput(f"{at}.k", "branches need k >= 1")
                 fork_len = q.end - q.num_verifying + branch.accepted
                 fork_blocks += blocks_for(fork_len + q.k, r.blocks.block_size) - fork_len // r.blocks.block_size
-            forks += len(q.branches)
+            rows += len(q.branches) if q.branches else 1 if q.k else 0
             if q.prefix and q.start_pos != len(q.prefix) * r.blocks.block_size:
                 raise InvalidInput(f"{at}.prefix_block_hashes", f"{len(q.prefix)} blocks of {r.blocks.block_size} "
                                                                 f"tokens must end at start_pos {q.start_pos}")
@@ -192,9 +192,9 @@ class Proposer:
                 else:
                     missing.append(q.seq_id)
             total += len(q.tokens)
-        if max(total, forks) > r.config.max_batch_tokens:  # a round feeds one token per branch
-            raise InvalidInput(where, f"{total} tokens or {forks} branches exceed max_batch_tokens "
-                                      f"{r.config.max_batch_tokens}")
+        if max(total, rows) > r.config.max_batch_tokens:  # a round feeds one token per continuation
+            raise InvalidInput(where, f"{total} tokens or {rows} continuations (branches, plain proposals) exceed "
+                                      f"max_batch_tokens {r.config.max_batch_tokens}")
         if missing:
             raise CacheMiss(missing)
         resize = {q.seq_id: (q.start_pos, q.final_len) for q in items}
@@ -262,7 +262,7 @@ class Proposer:
                 if stop_at is not None and started + round_s > stop_at and all(rows[i].out.drafts for i in live):
                     break  # rounds cost about the same (one token per live row): the next would end too late
                 out = self.runner.forward([SeqInput(rows[i].cache_id, rows[i].position, [rows[i].feed])
-                                           for i in live])
+                                           for i in live], checked=True)  # with the call (_check)
                 forwards += 1
                 self._draw(rows, live, torch.cat(out))
                 round_s = time.perf_counter() - started

@@ -195,9 +195,11 @@ class ModelRunner:
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, inputs: Sequence[SeqInput]) -> list[torch.Tensor]:
-        """Logits [num_logits, vocab] (float32) per input, in order."""
-        self.validate(inputs)
+    def forward(self, inputs: Sequence[SeqInput], checked: bool = False) -> list[torch.Tensor]:
+        """Logits [num_logits, vocab] (float32) per input, in order. checked: the caller validated these
+        inputs already (the draft's own rounds, which its Proposer checked with the call)."""
+        if not checked:
+            self.validate(inputs)
         batch = self.prepare(inputs)
         self.tp.send(batch)
         logits = self.execute(batch)
@@ -239,17 +241,15 @@ class ModelRunner:
         layout = BatchLayout(batch.start_positions, batch.query_lens,
                              torch.tensor(batch.block_tables, dtype=torch.int32, device=dev),
                              self.config.block_size, dev)
-        ctx = ForwardContext(
-            positions=torch.tensor(batch.positions, device=dev),
-            slot_mapping=torch.tensor(batch.slot_mapping, device=dev),
-            layout=layout,
-            backend=self.backend,
-            plan=self.backend.plan(layout),
-            kv_cache=self.kv_cache,
-            logits_indices=torch.tensor(batch.logits_indices, device=dev, dtype=torch.long),
-        )
+        # one tensor (one copy to the device) for the four index lists: a small forward is mostly such costs
+        t, n = len(batch.input_ids), len(batch.logits_indices)
+        flat = torch.tensor(batch.input_ids + batch.positions + batch.slot_mapping + batch.logits_indices,
+                            dtype=torch.long, device=dev)
+        input_ids, positions, slots, logits_indices = flat.split([t, t, t, n])
+        ctx = ForwardContext(positions=positions, slot_mapping=slots, layout=layout, backend=self.backend,
+                             plan=self.backend.plan(layout), kv_cache=self.kv_cache, logits_indices=logits_indices)
         self.forward_calls += 1
-        hidden = self.model.hidden_states(torch.tensor(batch.input_ids, device=dev), ctx)
+        hidden = self.model.hidden_states(input_ids, ctx)
         if not self.tp.leader:
             return hidden[:0]
         return self.model.logits(hidden, ctx.logits_indices)

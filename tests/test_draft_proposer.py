@@ -183,6 +183,22 @@ def test_empirical_frequencies_match_shipped_q(model_dir):
         assert abs(counts.get(tok, 0) / n - p) < 4.5 * sigma + 1e-3, (tok, p, counts, n)
 
 
+def test_a_call_whose_rounds_would_exceed_the_batch_budget_is_refused_before_any_forward(model_dir):
+    """A round feeds one token per continuation, branches and plain proposals together: 3 branches and
+    2 plain entries are 5 rows a round against a budget of 4, though the call's own tokens (4) fit."""
+    runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=64, block_size=4, device="cpu", max_batch_tokens=4))
+    proposer = Proposer(runner, max_draft_tokens=4)
+    proposer.sync([SeqInput(1, 0, toks(1, 3))])
+    calls = runner.forward_calls
+    branched = DraftRequest(1, 3, [3, 4], 2, num_verifying=1,
+                            branches=[BranchSpec(0, 1), BranchSpec(1, 1), BranchSpec(1, 2)])
+    with pytest.raises(InvalidInput, match="5 continuations"):
+        proposer.propose([branched, DraftRequest(2, 0, [5], 2), DraftRequest(3, 0, [6], 2)])
+    assert runner.forward_calls == calls and runner.cached_len(1) == 3
+    assert not runner.blocks.has(2) and not runner.blocks.has(3)
+    assert proposer.propose([branched, DraftRequest(2, 0, [5], 2)]).forwards == 3  # 4 rows a round: fits
+
+
 def test_validation_happens_before_any_forward(model_dir):
     runner = runner_for(model_dir, num_blocks=16)
     proposer = Proposer(runner, max_draft_tokens=4)
