@@ -176,7 +176,9 @@ class Proposer:
                     raise InvalidInput(f"{at}.k", "branches need k >= 1")
                 fork_len = q.end - q.num_verifying + branch.accepted
                 fork_blocks += blocks_for(fork_len + q.k, r.blocks.block_size) - fork_len // r.blocks.block_size
-            rows += len(q.branches) if q.branches else 1 if q.k else 0
+            # rows a round feeds: each branch (its guess, then its drafts), and a plain continuation from d_1
+            # on when it wants more than one (d_1 comes from round 0)
+            rows += len(q.branches) if q.branches else int(q.k > 1)
             if q.prefix and q.start_pos != len(q.prefix) * r.blocks.block_size:
                 raise InvalidInput(f"{at}.prefix_block_hashes", f"{len(q.prefix)} blocks of {r.blocks.block_size} "
                                                                 f"tokens must end at start_pos {q.start_pos}")

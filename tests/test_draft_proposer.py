@@ -197,6 +197,8 @@ def test_a_call_whose_rounds_would_exceed_the_batch_budget_is_refused_before_any
     assert runner.forward_calls == calls and runner.cached_len(1) == 3
     assert not runner.blocks.has(2) and not runner.blocks.has(3)
     assert proposer.propose([branched, DraftRequest(2, 0, [5], 2)]).forwards == 3  # 4 rows a round: fits
+    # a plain proposal of one draft takes it from round 0 and feeds no round: 3 rows a round
+    assert proposer.propose([branched, DraftRequest(4, 0, [5], 2), DraftRequest(5, 0, [6], 1)]).forwards == 3
 
 
 def test_validation_happens_before_any_forward(model_dir):
