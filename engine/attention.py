@@ -75,10 +75,12 @@ class TorchBackend:
     240-token prompt chunk, so short queries (decodes, verifications) share one group and each
     long query (a prompt chunk) gets its own. A batch whose queries are all one short length (the
     draft's decode rounds, a target step verifying one k) takes plan_uniform: no padding to plan
-    (0.13 -> 0.05 ms per forward of the demo draft)."""
+    (0.13 -> 0.05 ms per forward of the demo draft). Where such rows share most of their blocks (a
+    draft's branches, n choices of one prompt), _plan_shared reads each block once."""
 
     name = "torch-sdpa"
     SHORT_QUERY = 16
+    SHARED_MIN_WIDTH = 8  # blocks: below it a row's own gather costs less than finding the union (demo draft)
 
     def __init__(self, scale: float, sliding_window: int | None = None) -> None:
         self.scale = scale
@@ -99,6 +101,8 @@ class TorchBackend:
     def plan(self, layout: BatchLayout) -> list[_TorchPlan]:
         lens = layout.query_lens
         if lens[0] <= self.SHORT_QUERY and lens.count(lens[0]) == len(lens):  # decodes, or verifications of one k
+            if len(lens) > 1 and layout.device.type == "cpu" and (shared := self._plan_shared(layout, lens[0])):
+                return shared
             starts = torch.tensor(layout.start_positions, device=layout.device)
             return self.plan_uniform(starts, layout.block_tables, layout.block_size, lens[0])
         short = [b for b, n in enumerate(lens) if n <= self.SHORT_QUERY]
@@ -143,6 +147,39 @@ class TorchBackend:
             mask &= j[None, None, :] > q_pos[:, :, None] - self.sliding_window
         query_index = self._range(b * q_len, dev).view(b, q_len)  # uniform: only its shape is read
         return [_TorchPlan(query_index, query_index >= 0, key_slots, mask[:, None], uniform=True)]
+
+    def _plan_shared(self, layout: BatchLayout, q_len: int) -> list[_TorchPlan] | None:
+        """Rows that share blocks (a draft's branches, forked from their sequence; sequences attached to one
+        cached prefix) read each block once: all B * q_len queries as one row against the union of the
+        rows' blocks, each query masked to its own row's positions (tree attention, as speculation trees
+        are verified). None where the union is too large to pay: per row the batch gathers B * W blocks
+        and scores B * W of them, shared it gathers U and scores B * U.
+
+            row 0 table: [7 3 9]        union [3 4 7 9]      row 0 sees 7 3 9 at positions 0..47
+            row 1 table: [7 3 4]        (U = 4 blocks)       row 1 sees 7 3 4, not 9
+        """
+        tables = layout.block_tables
+        rows, width = tables.shape
+        if width < self.SHARED_MIN_WIDTH:
+            return None
+        blocks, inverse = torch.unique(tables, return_inverse=True)
+        union = blocks.numel()
+        if union * (rows + 1) >= 2 * rows * width:
+            return None
+        bs, dev = layout.block_size, layout.device
+        # index of block u in row r's table, or `width` where r has none (a position past its context);
+        # padding (block 0 past a row's context) sits past it too
+        first = torch.full((rows, union), width, dtype=torch.long, device=dev).scatter_reduce_(
+            1, inverse.long(), self._range(width, dev).expand(rows, width), "amin")
+        key_pos = (first * bs).unsqueeze(-1).add(self._range(bs, dev)).view(rows, 1, union * bs)
+        q_pos = torch.tensor(layout.start_positions, device=dev)[:, None] + self._range(q_len, dev)[None, :]
+        mask = key_pos <= q_pos[:, :, None]  # [rows, q_len, union * bs]
+        if self.sliding_window is not None:
+            mask &= key_pos > q_pos[:, :, None] - self.sliding_window
+        key_slots = (blocks.long() * bs).unsqueeze(-1).add(self._range(bs, dev)).view(1, union * bs)
+        query_index = self._range(rows * q_len, dev).view(1, rows * q_len)  # uniform: only its shape is read
+        return [_TorchPlan(query_index, query_index >= 0, key_slots, mask.view(1, 1, rows * q_len, union * bs),
+                           uniform=True)]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object) -> torch.Tensor:
         assert isinstance(plan, list)
