@@ -14,9 +14,10 @@ from common.sampling import InvalidField
 from common.tracing import Tracing
 from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N, BranchSpec, DraftRequest, Proposer, SparseQ
 from engine.logits import Processors
+from engine.rpc import call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
 from engine.runner import InvalidInput, ModelRunner, SeqInput
 from engine.sampling import SamplingSpec
-from engine.service import ModelWorker, call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
+from engine.service import ModelWorker
 from engine.streams import CallStreams, request_deadline
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 

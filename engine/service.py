@@ -1,5 +1,6 @@
-"""gRPC scaffolding both model services run: CLI flags, the model worker thread, error mapping,
-health, reflection and graceful shutdown. The services add only their own RPC logic."""
+"""gRPC scaffolding both model services run: CLI flags, the model worker thread, health, reflection
+and graceful shutdown (what each RPC handler shares: engine/rpc.py). The services add only their own
+RPC logic."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import functools
 import logging
 import signal
 import time
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,19 +22,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.logs import add_log_args, setup_logging
-from common.protocol import CACHE_MISS_METADATA, NOT_OWNER_METADATA, PROTOCOL
+from common.protocol import PROTOCOL
 from common.reload import reload_on_sighup
-from common.sampling import SamplingParams
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from common.tracing import add_tracing_args
 from engine.attention import uses_flash
 from engine.config import DTYPES, EngineConfig, ModelConfig, compute_id
-from engine.kv_cache import KVCacheExhausted, PagedKVCache
-from engine.lease import LeaseKeeper, NotOwner
+from engine.kv_cache import PagedKVCache
+from engine.lease import LeaseKeeper
 from engine.parallel import SINGLE, TensorParallel
-from engine.rpc_trace import annotate, on_model_thread, rpc_scope
-from engine.runner import CacheMiss, InvalidInput, ModelRunner
-from engine.sampling import SamplingSpec, validate_sampling
+from engine.rpc_trace import on_model_thread
+from engine.runner import InvalidInput, ModelRunner
 from engine.transport import Transport, add_transport_args, open_ports
 from tandem.v1 import common_pb2
 
@@ -217,82 +215,6 @@ class ModelWorker:
             raise InvalidInput("lease", str(e)) from None
 
 
-Handler = Callable[..., Awaitable[T]]
-
-
-def rpc_errors(method: Handler | None = None, *, name: str = "") -> Handler | Callable[[Handler], Handler]:
-    """Map engine exceptions to gRPC status codes; nothing but the failing call is affected.
-    Each call logs with its sequences' ids and is traced when its caller traces (engine.rpc_trace).
-    `@rpc_errors(name="StepStream")` names a message handler of a stream after its RPC."""
-    if method is None:
-        return functools.partial(rpc_errors, name=name)  # type: ignore[return-value]
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
-        rpc = f"{getattr(self, 'rpc_service', type(self).__name__)}/{name or method.__name__}"
-        with rpc_scope(getattr(self, "tracing", None), rpc, request, context) as span:
-            try:
-                response = await method(self, request, context)
-                annotate(span, response)
-                return response
-            except grpc.aio.AbortError:
-                raise
-            except Exception as e:  # noqa: BLE001 - every failure becomes a status: _abort raises
-                await _abort(rpc, e, context)
-        raise AssertionError("unreachable")  # abort() raises
-
-    return wrapper
-
-
-async def _abort(rpc: str, e: Exception, context: grpc.aio.ServicerContext) -> None:
-    """End the call with the status `e` maps to (abort raises AbortError)."""
-    if isinstance(e, InvalidInput):
-        log.warning("%s refused: %s", rpc, e)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    elif isinstance(e, CacheMiss):
-        log.info("%s: %s", rpc, e)
-        context.set_trailing_metadata(((CACHE_MISS_METADATA, ",".join(map(str, e.seq_ids))),))
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    elif isinstance(e, NotOwner):
-        log.info("%s: %s", rpc, e)
-        context.set_trailing_metadata(((NOT_OWNER_METADATA, e.owner),))
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    elif isinstance(e, KVCacheExhausted):
-        log.warning("%s: %s", rpc, e)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-    elif isinstance(e, DeadlineExpired):
-        log.info("%s: %s", rpc, e)
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-    else:  # a bug or a fault: the caller gets a short answer, the log the whole story
-        log_id = uuid.uuid4().hex[:12]
-        log.error("%s failed [log id %s]", rpc, log_id, exc_info=e)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})")
-
-
-class DeadlineExpired(Exception):
-    """The call's deadline passed before its work could start."""
-
-
-def check_deadline(context: grpc.aio.ServicerContext) -> None:
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
-        raise DeadlineExpired("deadline already passed")
-
-
-def call_deadline(context: grpc.aio.ServicerContext) -> float | None:
-    """Refuse a call already expired on arrival; otherwise its absolute deadline (monotonic)."""
-    check_deadline(context)
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
-
-
-def still_wanted(deadline: float | None) -> None:
-    """On the model thread: calls queue behind the forward in flight, and one whose caller gave
-    up meanwhile must not cost a forward."""
-    if deadline is not None and time.monotonic() >= deadline:
-        raise DeadlineExpired("deadline passed while the call waited for the model thread")
-
-
 async def serve(
     register: Callable[[grpc.aio.Server], None],
     service_full_name: str,
@@ -336,13 +258,3 @@ async def serve(
     if probes is not None:
         await probes.stop(0)
     log.info("stopped in %.2fs", time.perf_counter() - t0)
-
-
-def sampling_spec(params: common_pb2.SamplingParams, field: str) -> SamplingSpec:
-    """Proto -> SamplingSpec; InvalidInput naming the field when a value is out of range."""
-    # the router sets every field; an unset one means greedy, no top-p, no top-k, unseeded
-    p = SamplingParams(temperature=0.0).updated(**SamplingParams.given_in(params))
-    problems = validate_sampling(p.temperature, p.top_p, p.top_k, field)
-    if problems:
-        raise InvalidInput(field, "; ".join(problems))
-    return SamplingSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)

@@ -17,9 +17,9 @@ from common.checked import CheckedOnce
 from common.protocol import MAX_LOGPROBS
 from common.sampling import InvalidField
 from engine.logits import Processors
+from engine.rpc import sampling_spec
 from engine.runner import InvalidInput, SeqInput
 from engine.sampling import SamplingSpec
-from engine.service import sampling_spec
 from tandem.v1 import common_pb2, target_pb2
 from target_service.acceptance import DEFAULT_TYPICAL_DELTA, DEFAULT_TYPICAL_EPSILON, Rule, SparseDist, Verification
 

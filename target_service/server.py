@@ -17,9 +17,10 @@ import torch
 
 from common.tracing import Tracing
 from engine.logits import Context, TokenHistory
+from engine.rpc import call_deadline, rpc_errors, still_wanted
 from engine.runner import CacheMiss, InvalidInput, ModelRunner
 from engine.sampling import logprobs_of
-from engine.service import ModelWorker, call_deadline, rpc_errors, still_wanted
+from engine.service import ModelWorker
 from engine.streams import CallStreams, request_deadline
 from engine.transfer import to_lists
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc

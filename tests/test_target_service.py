@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 
 from common.protocol import CACHE_MISS_METADATA
 from engine import EngineConfig, ModelRunner
-from engine.service import DeadlineExpired
+from engine.rpc import DeadlineExpired
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.server import SERVICE_NAME, create_servicer, register
 from tests.conftest import SMALL, hf_greedy, hf_logits, write_checkpoint
