@@ -81,6 +81,28 @@ def test_uniform_batch_of_decodes_or_verifications(hf_checkpoint, q_len):
         torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0, msg=f"seq {x.seq_id}")
 
 
+@pytest.mark.parametrize(("fork_len", "q_len"), [(60, 1), (58, 1), (57, 3)])
+def test_forks_of_one_prompt_read_its_blocks_once_and_match_transformers(hf_checkpoint, fork_len, q_len):
+    """Continuations forked from one cached prompt (a draft's branches, n choices) and run as one batch
+    share all their blocks but a tail (copy-on-write where the fork splits a block): the CPU attention
+    reads the shared blocks once (TorchBackend._plan_shared), and every row still scores as transformers."""
+    _, model_dir = hf_checkpoint
+    runner = runner_for(model_dir)
+    prompt = tokens(7, fork_len)
+    runner.forward([SeqInput(1, 0, prompt, 0)])
+    shared_plans = []
+    plan_shared = runner.backend._plan_shared
+    runner.backend._plan_shared = lambda *a: shared_plans.append(plan_shared(*a)) or shared_plans[-1]
+    continuations = {10 + n: tokens(20 + n, q_len) for n in range(4)}
+    for child in continuations:
+        runner.fork(1, child, fork_len)
+    batch = [SeqInput(child, fork_len, extra, num_logits=q_len) for child, extra in continuations.items()]
+    for x, logits in zip(batch, runner.forward(batch), strict=True):
+        ref = hf_logits(model_dir, prompt + continuations[x.seq_id])[-q_len:]
+        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0, msg=f"fork {x.seq_id}")
+    assert len(shared_plans) == 1 and shared_plans[0] is not None
+
+
 def test_fp32_rms_norm_in_one_op_is_bit_identical_to_the_formula():
     """RMSNorm takes torch's rms_norm in fp32 (fewer dispatches per layer): the same numbers, bit for bit,
     as normalising in fp32 and scaling by the weight, which transformers' Llama/Qwen2 norms do."""
