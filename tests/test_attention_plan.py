@@ -1,15 +1,19 @@
-"""engine/attention.py, TorchBackend: the plan of a batch whose queries are all one short length
+"""engine/torch_attention.py, TorchBackend: the plan of a batch whose queries are all one short length
 (plan_uniform: the draft's decode rounds, a step verifying one k) attends exactly as the general plan
 (_plan_group) does, padding and all, with its index tensors kept between forwards on CPU; rows that
 share blocks (forks) read each shared block once (_plan_shared) and attend exactly as when each reads
-its own."""
+its own; short-query rows of very different contexts attend in groups of similar context
+(_by_length), each padded to its own longest, exactly as in one group."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
-from engine.attention import BatchLayout, TorchBackend
+from engine.attention import BatchLayout
+from engine.torch_attention import TorchBackend
 
 
 def _layout(starts: list[int], q_len: int, width: int, block_size: int, seed: int) -> BatchLayout:
@@ -87,3 +91,80 @@ def test_short_tables_skip_the_union_even_when_forked():
     layout = _forked([20, 21], 1, 4, shared_blocks=4, seed=0)
     assert layout.block_tables.shape[1] < backend.SHARED_MIN_WIDTH
     assert backend.plan(layout)[0].key_slots.shape[0] == 2
+
+
+def _spread(contexts: list[int], q_len: int, block_size: int) -> BatchLayout:
+    """Rows of distinct blocks whose contexts (start + q_len) are `contexts`."""
+    widths = [-(-c // block_size) for c in contexts]
+    free = iter(range(1, 1 + sum(widths)))
+    tables = [[next(free) for _ in range(w)] + [0] * (max(widths) - w) for w in widths]
+    return BatchLayout([c - q_len for c in contexts], [q_len] * len(contexts), torch.tensor(tables, dtype=torch.int32),
+                       block_size, torch.device("cpu"))
+
+
+def test_rows_of_similar_context_stay_one_group():
+    backend = TorchBackend(scale=0.125)
+    assert backend._by_length([0, 1, 2, 3], [400, 410, 405, 420]) == [[0, 1, 2, 3]]
+    assert backend._by_length([1], [30, 1000]) == [[1]]
+
+
+def test_a_few_long_rows_beside_many_short_ones_get_a_group_of_their_own():
+    backend = TorchBackend(scale=0.125)
+    contexts = [60, 950, 70, 80, 900, 90, 100, 110, 120, 130]
+    assert backend._by_length(list(range(10)), contexts) == [[0, 2, 3, 5, 6, 7, 8, 9], [4, 1]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_split_reads_the_fewest_keys_of_any_split_of_the_sorted_rows(seed):
+    g = torch.Generator().manual_seed(seed)
+    backend = TorchBackend(scale=0.125)
+    n = int(torch.randint(2, 8, (1,), generator=g))
+    contexts = torch.randint(1, 2000, (n,), generator=g).tolist()
+
+    def cost(groups: list[list[int]]) -> int:
+        return sum(len(gr) * max(contexts[b] for b in gr) for gr in groups) + backend.GROUP_KEYS * (len(groups) - 1)
+
+    order = sorted(range(n), key=lambda b: contexts[b])
+    splits = [[order[a:b] for a, b in zip((0, *cuts), (*cuts, n), strict=True)]
+              for m in range(n) for cuts in itertools.combinations(range(1, n), m)]
+    chosen = backend._by_length(list(range(n)), contexts)
+    assert sorted(b for gr in chosen for b in gr) == list(range(n))
+    assert cost(chosen) == min(cost(sp) for sp in splits)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_rows_split_by_context_attend_as_one_padded_group(q_len):
+    backend, block_size, kv_heads, heads, dim = TorchBackend(scale=0.125, sliding_window=None), 4, 2, 4, 8
+    backend.GROUP_KEYS = 64
+    contexts = [9, 300, 12, 14, 280, 10]
+    layout = _spread(contexts, q_len, block_size)
+    torch.manual_seed(2)
+    k_cache = torch.randn(1 + sum(-(-c // block_size) for c in contexts), block_size, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(len(contexts) * q_len, heads, dim)
+    plan = backend.plan(layout)
+    assert len(plan) == 2 and sorted(g.key_slots.shape[1] for g in plan) == [14, 300]
+    torch.testing.assert_close(backend.attend(q, k_cache, v_cache, plan),
+                               backend.attend(q, k_cache, v_cache, _general(backend, layout)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_prompt_chunk_beside_decodes_of_very_different_contexts():
+    """The general plan: the chunk in a group of its own, the decodes split by context."""
+    backend, block_size, kv_heads, heads, dim = TorchBackend(scale=0.125), 4, 2, 4, 8
+    backend.GROUP_KEYS = 64
+    contexts, lens = [9, 300, 40, 12, 280], [1, 1, 30, 1, 1]
+    widths = [-(-c // block_size) for c in contexts]
+    free = iter(range(1, 1 + sum(widths)))
+    tables = torch.tensor([[next(free) for _ in range(w)] + [0] * (max(widths) - w) for w in widths], dtype=torch.int32)
+    layout = BatchLayout([c - n for c, n in zip(contexts, lens, strict=True)], lens, tables, block_size,
+                         torch.device("cpu"))
+    torch.manual_seed(3)
+    k_cache = torch.randn(1 + sum(widths), block_size, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(lens), heads, dim)
+    plan = backend.plan(layout)
+    assert len(plan) == 3
+    offsets = [0, 1, 2, 32, 33]
+    whole = [backend._plan_group(layout, [b], [offsets[b]]) for b in range(5)]
+    torch.testing.assert_close(backend.attend(q, k_cache, v_cache, plan), backend.attend(q, k_cache, v_cache, whole),
+                               rtol=1e-5, atol=1e-6)

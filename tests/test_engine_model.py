@@ -103,6 +103,26 @@ def test_forks_of_one_prompt_read_its_blocks_once_and_match_transformers(hf_chec
     assert len(shared_plans) == 1 and shared_plans[0] is not None
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decodes_of_very_different_contexts_run_in_groups_and_match_transformers(hf_checkpoint, q_len):
+    """A few long sequences beside short ones: the CPU attention splits the batch by context
+    (TorchBackend._by_length: each group padded to its own longest), and every row scores as transformers."""
+    _, model_dir = hf_checkpoint
+    runner = runner_for(model_dir, num_blocks=256)
+    cached = {1: 9, 2: 200, 3: 12, 4: 230, 5: 14}
+    seqs = {s: tokens(60 + s, n + q_len) for s, n in cached.items()}
+    for s, n in cached.items():
+        runner.forward([SeqInput(s, 0, seqs[s][:n], 0)])
+    groups = []
+    by_length = runner.backend._by_length
+    runner.backend._by_length = lambda *a: groups.append(by_length(*a)) or groups[-1]
+    batch = [SeqInput(s, n, seqs[s][n:], num_logits=q_len) for s, n in cached.items()]
+    for x, logits in zip(batch, runner.forward(batch), strict=True):
+        ref = hf_logits(model_dir, seqs[x.seq_id])[-q_len:]
+        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0, msg=f"seq {x.seq_id}")
+    assert groups == [[[0, 2, 4], [1, 3]]]
+
+
 def test_fp32_rms_norm_in_one_op_is_bit_identical_to_the_formula():
     """RMSNorm takes torch's rms_norm in fp32 (fewer dispatches per layer): the same numbers, bit for bit,
     as normalising in fp32 and scaling by the weight, which transformers' Llama/Qwen2 norms do."""
