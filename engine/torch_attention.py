@@ -98,7 +98,7 @@ class TorchBackend:
                     best[i], cut[i] = cost, j
         groups, i = [], n
         while i:
-            groups.append(order[cut[i]:i])
+            groups.append(sorted(order[cut[i]:i]))  # flat order within a group: one group is returned as is
             i = cut[i]
         return groups[::-1]
 

@@ -111,7 +111,7 @@ def test_rows_of_similar_context_stay_one_group():
 def test_a_few_long_rows_beside_many_short_ones_get_a_group_of_their_own():
     backend = TorchBackend(scale=0.125)
     contexts = [60, 950, 70, 80, 900, 90, 100, 110, 120, 130]
-    assert backend._by_length(list(range(10)), contexts) == [[0, 2, 3, 5, 6, 7, 8, 9], [4, 1]]
+    assert backend._by_length(list(range(10)), contexts) == [[0, 2, 3, 5, 6, 7, 8, 9], [1, 4]]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -168,3 +168,25 @@ def test_a_prompt_chunk_beside_decodes_of_very_different_contexts():
     whole = [backend._plan_group(layout, [b], [offsets[b]]) for b in range(5)]
     torch.testing.assert_close(backend.attend(q, k_cache, v_cache, plan), backend.attend(q, k_cache, v_cache, whole),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_one_group_chosen_by_the_split_keeps_the_rows_in_flat_order():
+    """Padding above GROUP_KEYS but no split that saves more: one group, whose output attend() returns
+    as it is, so its rows must stay in the batch's order (mixed query lengths, as a router's step)."""
+    backend, block_size, kv_heads, heads, dim = TorchBackend(scale=0.125), 2, 2, 4, 8
+    backend.GROUP_KEYS = 85
+    contexts, lens = [100, 50, 60], [1, 2, 4]
+    assert backend._by_length([0, 1, 2], contexts) == [[0, 1, 2]]
+    widths = [-(-c // block_size) for c in contexts]
+    free = iter(range(1, 1 + sum(widths)))
+    tables = torch.tensor([[next(free) for _ in range(w)] + [0] * (max(widths) - w) for w in widths], dtype=torch.int32)
+    layout = BatchLayout([c - n for c, n in zip(contexts, lens, strict=True)], lens, tables, block_size,
+                         torch.device("cpu"))
+    torch.manual_seed(4)
+    k_cache = torch.randn(1 + sum(widths), block_size, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(lens), heads, dim)
+    offsets = [0, 1, 3]
+    per_row = [backend._plan_group(layout, [b], [offsets[b]]) for b in range(3)]
+    torch.testing.assert_close(backend.attend(q, k_cache, v_cache, backend.plan(layout)),
+                               backend.attend(q, k_cache, v_cache, per_row), rtol=1e-5, atol=1e-6)
