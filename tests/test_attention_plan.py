@@ -93,13 +93,25 @@ def test_short_tables_skip_the_union_even_when_forked():
     assert backend.plan(layout)[0].key_slots.shape[0] == 2
 
 
-def _spread(contexts: list[int], q_len: int, block_size: int) -> BatchLayout:
-    """Rows of distinct blocks whose contexts (start + q_len) are `contexts`."""
+def _spread(contexts: list[int], lens: list[int], block_size: int) -> BatchLayout:
+    """Rows of distinct blocks with query lengths `lens` whose contexts (start + len) are `contexts`."""
     widths = [-(-c // block_size) for c in contexts]
     free = iter(range(1, 1 + sum(widths)))
     tables = [[next(free) for _ in range(w)] + [0] * (max(widths) - w) for w in widths]
-    return BatchLayout([c - q_len for c in contexts], [q_len] * len(contexts), torch.tensor(tables, dtype=torch.int32),
-                       block_size, torch.device("cpu"))
+    return BatchLayout([c - n for c, n in zip(contexts, lens, strict=True)], lens,
+                       torch.tensor(tables, dtype=torch.int32), block_size, torch.device("cpu"))
+
+
+def _attend_both_ways(backend: TorchBackend, layout: BatchLayout, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention through backend.plan, attention with every row a group of its own) over random caches."""
+    kv_heads, heads, dim = 2, 4, 8
+    torch.manual_seed(seed)
+    blocks = int(layout.block_tables.max()) + 1
+    k_cache, v_cache = (torch.randn(blocks, layout.block_size, kv_heads, dim) for _ in range(2))
+    q = torch.randn(sum(layout.query_lens), heads, dim)
+    offsets = [sum(layout.query_lens[:b]) for b in range(len(layout.query_lens))]
+    per_row = [backend._plan_group(layout, [b], [offsets[b]]) for b in range(len(offsets))]
+    return backend.attend(q, k_cache, v_cache, backend.plan(layout)), backend.attend(q, k_cache, v_cache, per_row)
 
 
 def test_rows_of_similar_context_stay_one_group():
@@ -134,59 +146,29 @@ def test_the_split_reads_the_fewest_keys_of_any_split_of_the_sorted_rows(seed):
 
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_rows_split_by_context_attend_as_one_padded_group(q_len):
-    backend, block_size, kv_heads, heads, dim = TorchBackend(scale=0.125, sliding_window=None), 4, 2, 4, 8
+    backend = TorchBackend(scale=0.125)
     backend.GROUP_KEYS = 64
-    contexts = [9, 300, 12, 14, 280, 10]
-    layout = _spread(contexts, q_len, block_size)
-    torch.manual_seed(2)
-    k_cache = torch.randn(1 + sum(-(-c // block_size) for c in contexts), block_size, kv_heads, dim)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(len(contexts) * q_len, heads, dim)
+    layout = _spread([9, 300, 12, 14, 280, 10], [q_len] * 6, block_size=4)
     plan = backend.plan(layout)
     assert len(plan) == 2 and sorted(g.key_slots.shape[1] for g in plan) == [14, 300]
-    torch.testing.assert_close(backend.attend(q, k_cache, v_cache, plan),
-                               backend.attend(q, k_cache, v_cache, _general(backend, layout)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(*_attend_both_ways(backend, layout, seed=2), rtol=1e-5, atol=1e-6)
 
 
 def test_a_prompt_chunk_beside_decodes_of_very_different_contexts():
     """The general plan: the chunk in a group of its own, the decodes split by context."""
-    backend, block_size, kv_heads, heads, dim = TorchBackend(scale=0.125), 4, 2, 4, 8
+    backend = TorchBackend(scale=0.125)
     backend.GROUP_KEYS = 64
-    contexts, lens = [9, 300, 40, 12, 280], [1, 1, 30, 1, 1]
-    widths = [-(-c // block_size) for c in contexts]
-    free = iter(range(1, 1 + sum(widths)))
-    tables = torch.tensor([[next(free) for _ in range(w)] + [0] * (max(widths) - w) for w in widths], dtype=torch.int32)
-    layout = BatchLayout([c - n for c, n in zip(contexts, lens, strict=True)], lens, tables, block_size,
-                         torch.device("cpu"))
-    torch.manual_seed(3)
-    k_cache = torch.randn(1 + sum(widths), block_size, kv_heads, dim)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(sum(lens), heads, dim)
-    plan = backend.plan(layout)
-    assert len(plan) == 3
-    offsets = [0, 1, 2, 32, 33]
-    whole = [backend._plan_group(layout, [b], [offsets[b]]) for b in range(5)]
-    torch.testing.assert_close(backend.attend(q, k_cache, v_cache, plan), backend.attend(q, k_cache, v_cache, whole),
-                               rtol=1e-5, atol=1e-6)
+    layout = _spread([9, 300, 40, 12, 280], [1, 1, 30, 1, 1], block_size=4)
+    assert len(backend.plan(layout)) == 3
+    torch.testing.assert_close(*_attend_both_ways(backend, layout, seed=3), rtol=1e-5, atol=1e-6)
 
 
 def test_one_group_chosen_by_the_split_keeps_the_rows_in_flat_order():
     """Padding above GROUP_KEYS but no split that saves more: one group, whose output attend() returns
     as it is, so its rows must stay in the batch's order (mixed query lengths, as a router's step)."""
-    backend, block_size, kv_heads, heads, dim = TorchBackend(scale=0.125), 2, 2, 4, 8
+    backend = TorchBackend(scale=0.125)
     backend.GROUP_KEYS = 85
-    contexts, lens = [100, 50, 60], [1, 2, 4]
+    contexts = [100, 50, 60]
     assert backend._by_length([0, 1, 2], contexts) == [[0, 1, 2]]
-    widths = [-(-c // block_size) for c in contexts]
-    free = iter(range(1, 1 + sum(widths)))
-    tables = torch.tensor([[next(free) for _ in range(w)] + [0] * (max(widths) - w) for w in widths], dtype=torch.int32)
-    layout = BatchLayout([c - n for c, n in zip(contexts, lens, strict=True)], lens, tables, block_size,
-                         torch.device("cpu"))
-    torch.manual_seed(4)
-    k_cache = torch.randn(1 + sum(widths), block_size, kv_heads, dim)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(sum(lens), heads, dim)
-    offsets = [0, 1, 3]
-    per_row = [backend._plan_group(layout, [b], [offsets[b]]) for b in range(3)]
-    torch.testing.assert_close(backend.attend(q, k_cache, v_cache, backend.plan(layout)),
-                               backend.attend(q, k_cache, v_cache, per_row), rtol=1e-5, atol=1e-6)
+    layout = _spread(contexts, [1, 2, 4], block_size=2)
+    torch.testing.assert_close(*_attend_both_ways(backend, layout, seed=4), rtol=1e-5, atol=1e-6)
