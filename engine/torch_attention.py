@@ -59,6 +59,10 @@ class TorchBackend:
             r = self._ranges[n] = torch.arange(n)
         return r
 
+    def _each_position(self, block_starts: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[..., n] first slot (or position) of each block -> [..., n * block_size], every one of them."""
+        return block_starts.unsqueeze(-1).add(self._range(block_size, block_starts.device)).flatten(-2)
+
     def plan(self, layout: BatchLayout) -> list[_TorchPlan]:
         lens = layout.query_lens
         cpu = layout.device.type == "cpu"
@@ -130,7 +134,7 @@ class TorchBackend:
         i = self._range(q_len, dev)
         j = self._range(block_tables.shape[1] * block_size, dev)
         # key j of row r sits in block j // block_size of r's table, at offset j % block_size
-        key_slots = (block_tables.long() * block_size).unsqueeze(-1).add(self._range(block_size, dev)).view(b, -1)
+        key_slots = self._each_position(block_tables.long() * block_size, block_size)
         q_pos = starts[:, None] + i[None, :]
         mask = j[None, None, :] <= q_pos[:, :, None]
         if self.sliding_window is not None:
@@ -161,12 +165,12 @@ class TorchBackend:
         # padding (block 0 past a row's context) sits past it too
         first = torch.full((rows, union), width, dtype=torch.long, device=dev).scatter_reduce_(
             1, inverse.long(), self._range(width, dev).expand(rows, width), "amin")
-        key_pos = (first * bs).unsqueeze(-1).add(self._range(bs, dev)).view(rows, 1, union * bs)
+        key_pos = self._each_position(first * bs, bs).view(rows, 1, union * bs)
         q_pos = torch.tensor(layout.start_positions, device=dev)[:, None] + self._range(q_len, dev)[None, :]
         mask = key_pos <= q_pos[:, :, None]  # [rows, q_len, union * bs]
         if self.sliding_window is not None:
             mask &= key_pos > q_pos[:, :, None] - self.sliding_window
-        key_slots = (blocks.long() * bs).unsqueeze(-1).add(self._range(bs, dev)).view(1, union * bs)
+        key_slots = self._each_position(blocks.long() * bs, bs).view(1, union * bs)
         query_index = self._range(rows * q_len, dev).view(1, rows * q_len)  # uniform: only its shape is read
         return [_TorchPlan(query_index, query_index >= 0, key_slots, mask.view(1, 1, rows * q_len, union * bs),
                            uniform=True)]
