@@ -97,6 +97,7 @@ class Continuation:
     token: int = -1
     drafts: list[int] = field(default_factory=list)
     probs: list[SparseQ] = field(default_factory=list)  # one per draft; empty when greedy
+    confidence: list[float] = field(default_factory=list)  # per draft: its probability where it was drawn
 
 
 @dataclass
@@ -288,6 +289,7 @@ class Proposer:
         """Append one draft to each live row, sampling the sparse q it then ships; a row with all
         its k drafts stops feeding (its last draft is never cached)."""
         drawn: list[int] = [0] * len(live)
+        sure: list[float] = [0.0] * len(live)
         active = [n for n, i in enumerate(live) if rows[i].state is not None and rows[i].state.active]
         if active:
             logits = logits.clone()
@@ -298,8 +300,9 @@ class Proposer:
         sampled = [n for n, i in enumerate(live) if not rows[i].request.spec.greedy]
         if greedy:  # all rows greedy (the usual case): no gather of their logits first
             rows_greedy = logits if len(greedy) == len(live) else logits[greedy]
-            for n, tok in zip(greedy, rows_greedy.argmax(-1).tolist(), strict=True):
-                drawn[n] = tok
+            confidence = torch.exp(rows_greedy.amax(-1) - torch.logsumexp(rows_greedy, -1))
+            for n, tok, p in zip(greedy, *to_lists(rows_greedy.argmax(-1), confidence), strict=True):
+                drawn[n], sure[n] = tok, p
         if sampled:
             specs = [rows[live[n]].request.spec for n in sampled]
             # q is the target's filtered distribution truncated to the top n: exactly what is sampled
@@ -308,14 +311,16 @@ class Proposer:
             # a draft sits at position + 1 (the next draw continues the token at `position`)
             draws = [(rows[live[n]].request.spec.seed, rows[live[n]].position + 1, DRAFT_STREAM) for n in sampled]
             picks = sample(q, uniforms(draws, q.device))
-            tokens, ids_l, q_l = to_lists(ids.gather(-1, picks[:, None]).squeeze(-1), ids, q)
-            for n, tok, row_ids, row_q in zip(sampled, tokens, ids_l, q_l, strict=True):
-                drawn[n] = tok
+            tokens, picked_q, ids_l, q_l = to_lists(ids.gather(-1, picks[:, None]).squeeze(-1),
+                                                    q.gather(-1, picks[:, None]).squeeze(-1), ids, q)
+            for n, tok, p, row_ids, row_q in zip(sampled, tokens, picked_q, ids_l, q_l, strict=True):
+                drawn[n], sure[n] = tok, p
                 keep = [j for j, p in enumerate(row_q) if p > 0.0]  # filtered-out tokens carry no mass
                 rows[live[n]].out.probs.append(SparseQ([row_ids[j] for j in keep], [row_q[j] for j in keep]))
         for n, i in enumerate(live):
             row = rows[i]
             row.out.drafts.append(drawn[n])
+            row.out.confidence.append(sure[n])
             row.position += 1
             row.feed = drawn[n] if len(row.out.drafts) < row.request.k else -2
             if row.state is not None and row.feed >= 0:  # the last draft is neither cached nor continued

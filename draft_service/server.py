@@ -105,8 +105,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             proposals=[
                 draft_pb2.Proposal(
                     seq_id=r.seq_id, tokens=r.plain.drafts, probs=_dists(r.plain.probs), cached_len=r.cached_len,
+                    confidence=r.plain.confidence,
                     branches=[draft_pb2.BranchProposal(accepted=b.accepted, token=b.token, drafts=b.drafts,
-                                                       probs=_dists(b.probs)) for b in r.branches],
+                                                       probs=_dists(b.probs), confidence=b.confidence)
+                              for b in r.branches],
                 )
                 for r in out.results
             ],

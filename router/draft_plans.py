@@ -38,7 +38,7 @@ def step_work(spec: Speculator, plan: StepPlan, sent: list[list[int]], upfront: 
             if seq.next_k > 0 and not seq.request.reproducible:
                 cands.append((seq, seq.tokens + drafts,
                               Candidate(seq.seq_id, len(drafts), spec.verify_rate(seq), seq.next_k,
-                                        seq.tracker.rate)))
+                                        seq.tracker.rate, spec.acceptance_of(seq, drafts))))
         for c in plan.chunks:
             cap = spec.cap(c.seq)
             if c.emit and cap > 0 and not c.seq.request.reproducible and not dormant:

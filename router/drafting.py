@@ -229,11 +229,12 @@ class DraftLane:
             v = entry.num_verifying
             history_len = seq.prefix.draft_committed = len(base) - v  # the draft published its full blocks
             if plain:
-                seq.prepared.append(Prepared(len(base), (), tuple(plain), tuple(prop.probs)))
+                seq.prepared.append(Prepared(len(base), (), tuple(plain), tuple(prop.probs),
+                                             confidence=tuple(prop.confidence)))
             verifying = tuple(base[history_len:])
             for spec, b in zip(entry.branches, prop.branches, strict=True):
                 seq.prepared.append(Prepared(history_len, verifying[:b.accepted] + (b.token,), tuple(b.drafts),
-                                             tuple(b.probs), b.accepted, spec.rank))
+                                             tuple(b.probs), b.accepted, spec.rank, tuple(b.confidence)))
 
     async def renew(self) -> None:
         """Keep this router's lease on the draft; losing it is losing the draft."""

@@ -17,6 +17,7 @@ for one step. A late proposal is still used while it agrees with the history.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from router.spec_policy import expected_tokens
 from tandem.v1 import common_pb2
 
 MAX_RANK = 8  # candidates considered per outcome position
+CONFIDENCE_BINS = 10  # the draft's confidence in a draft, in bins of 0.1, for its chance of acceptance
 Proposal = tuple[list[int], list[common_pb2.SparseDist]]  # drafts and their q (empty when greedy)
 
 
@@ -37,6 +39,7 @@ class Prepared:
     probs: tuple[common_pb2.SparseDist, ...] = ()
     accepted: int = 0  # the outcome (j, rank); rank 0: a plain continuation
     rank: int = 0
+    confidence: tuple[float, ...] = ()  # per draft: the draft's probability of it (empty: not sent)
 
     def remaining(self, history: Seq[int]) -> int:
         """How many leading drafts the history already holds (-1: the proposal does not continue it)."""
@@ -57,6 +60,16 @@ def best_proposal(prepared: list[Prepared], history: Seq[int]) -> Proposal:
         if seen >= 0 and len(p.drafts) - seen > len(best[0]):
             best = (list(p.drafts[seen:]), list(p.probs[seen:]))
     return best
+
+
+def confidence_of(prepared: list[Prepared], history: Seq[int], drafts: Seq[int]) -> list[float]:
+    """The draft's confidence in each of `drafts` after `history`, from the proposal they came from
+    ([] where none holds them with its confidence: prompt lookup's guesses, a draft that sent none)."""
+    for p in prepared:
+        seen = p.remaining(history)
+        if seen >= 0 and len(p.confidence) == len(p.drafts) and p.drafts[seen:seen + len(drafts)] == tuple(drafts):
+            return list(p.confidence[seen:seen + len(drafts)])
+    return []
 
 
 def prune(prepared: list[Prepared], history: Seq[int]) -> list[Prepared]:
@@ -80,6 +93,23 @@ def _prior(first: float, decay: float) -> _RankCounts:
 
 
 @dataclass
+class _ByConfidence:
+    """P(a draft is accepted | the draft's confidence in it), in CONFIDENCE_BINS equal bins: the
+    demo draft's 0.1-0.2 bin is accepted at 0.65 and its 0.3-0.5 at 0.93, SmolLM2's at 0.08 and 0.3."""
+
+    hits: list[float] = field(default_factory=lambda: [2.0] * CONFIDENCE_BINS)  # a prior worth 4 trials at 0.5
+    trials: list[float] = field(default_factory=lambda: [4.0] * CONFIDENCE_BINS)
+
+    @staticmethod
+    def bin(confidence: float) -> int:
+        return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
+
+    def p(self, confidence: float) -> float:
+        b = self.bin(confidence)
+        return self.hits[b] / self.trials[b]
+
+
+@dataclass
 class OutcomeStats:
     """How often the target's next token is the draft's rank-r candidate: after a rejection (the
     corrected token, the draft's rejected favourite excluded) and after full acceptance (the bonus).
@@ -88,10 +118,24 @@ class OutcomeStats:
 
     corrected: _RankCounts = field(default_factory=lambda: _prior(0.35, 0.55))
     bonus: _RankCounts = field(default_factory=lambda: _prior(0.6, 0.4))
+    by_confidence: _ByConfidence = field(default_factory=_ByConfidence)
     decay: float = 0.999
 
     def p(self, full: bool, rank: int) -> float:
         return (self.bonus if full else self.corrected).p(rank)
+
+    def acceptance(self, confidence: Seq[float]) -> tuple[float, ...]:
+        """Each draft's chance of acceptance (given those before it were accepted), from its confidence."""
+        return tuple(self.by_confidence.p(c) for c in confidence)
+
+    def verified(self, confidence: Seq[float], accepted: int) -> None:
+        """A verification of drafts with these confidences accepted `accepted`: the drafts up to the
+        first rejected one were judged (those after it were not)."""
+        counts = self.by_confidence
+        for i, c in enumerate(confidence[:accepted + 1]):
+            b = counts.bin(c)
+            counts.trials[b] = self.decay * counts.trials[b] + 1
+            counts.hits[b] = self.decay * counts.hits[b] + (1.0 if i < accepted else 0.0)
 
     def observe(self, full: bool, ranks: Seq[int], hit: int | None) -> None:
         """ranks: those prepared for the outcome that happened; hit: the one that matched (or None)."""
@@ -114,6 +158,13 @@ class Candidate:
     a: float
     k: int
     draft_a: float | None = None  # None: a
+    accept: tuple[float, ...] = ()  # per draft under verification, its chance of acceptance (empty: a each)
+
+    def outcome_p(self, j: int) -> float:
+        """P(exactly j of the v drafts are accepted)."""
+        accept = self.accept if len(self.accept) == self.v else (self.a,) * self.v
+        p = math.prod(accept[:j])
+        return p * (1.0 - accept[j]) if j < self.v else p
 
     @property
     def gain(self) -> float:
@@ -130,7 +181,7 @@ def plan_branches(cands: list[Candidate], stats: OutcomeStats, budget: int) -> d
     for c in cands:
         gain = c.gain
         for j in range(c.v + 1):
-            p_j = c.a ** j * ((1.0 - c.a) if j < c.v else 1.0)
+            p_j = c.outcome_p(j)
             for r, p_r in zip(ranks, p_rank[j == c.v], strict=True):
                 scored.append((-(p_j * p_r * gain), c.key, j, r))
     heapq.heapify(scored)

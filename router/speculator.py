@@ -13,7 +13,7 @@ from router.drafting import DraftLane
 from router.pacing import DraftPacing
 from router.scheduler import Scheduler, StepPlan
 from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens
-from router.speculation import Proposal, best_proposal, prune
+from router.speculation import Proposal, best_proposal, confidence_of, prune
 from router.step_costs import BranchCost, DraftCost, StepCostModel
 from tandem.v1 import common_pb2
 
@@ -233,6 +233,16 @@ class Speculator:
         if ranks:
             hit = next((r for r, t in ranks.items() if t == token), None)
             self.draft.stats.observe(accepted == v, list(ranks), hit)
+
+    def acceptance_of(self, seq: Sequence, drafts: list[int]) -> tuple[float, ...]:
+        """Each of the drafts seq verifies, its chance of acceptance from the draft's confidence in it
+        (empty where the draft did not propose them: prompt lookup's)."""
+        return self.draft.stats.acceptance(confidence_of(seq.prepared, seq.tokens, drafts))
+
+    def observe_verified(self, seq: Sequence, drafts: list[int], accepted: int) -> None:
+        """What acceptance the draft's confidence in its drafts meant this time."""
+        if drafts and (confidence := confidence_of(seq.prepared, seq.tokens, drafts)):
+            self.draft.stats.verified(confidence, accepted)
 
     def verify_rate(self, seq: Sequence) -> float:
         """The acceptance of the proposer whose drafts seq verifies this step."""

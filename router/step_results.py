@@ -36,7 +36,7 @@ class StepResults:
             self.spec.observe_outcome(seq, 0, 0, res.tokens[-1])
             self._emit(seq, list(res.tokens), logprobs_of(res))
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
-            self._verified(seq, len(drafts), res)
+            self._verified(seq, drafts, res)
         for c, res in zip(plan.chunks, results[len(plan.decodes):len(results) - len(siblings)], strict=True):
             if c.seq.finished:
                 continue
@@ -45,8 +45,9 @@ class StepResults:
                 self.spec.observe_outcome(c.seq, 0, 0, res.tokens[-1])
                 self._emit(c.seq, list(res.tokens), logprobs_of(res))
 
-    def _verified(self, seq: Sequence, k: int, res: target_pb2.StepResult) -> None:
-        by_lookup = seq.seq_id in self.spec.from_lookup
+    def _verified(self, seq: Sequence, drafts: list[int], res: target_pb2.StepResult) -> None:
+        k, by_lookup = len(drafts), seq.seq_id in self.spec.from_lookup
+        self.spec.observe_verified(seq, drafts, res.num_accepted)
         (seq.lookup_tracker if by_lookup else seq.tracker).update(k, res.num_accepted)
         (self.spec.lookup_acceptance if by_lookup else self.spec.draft_acceptance).observe(k, res.num_accepted)
         if seq.seq_id in self.spec.lookup_passed:

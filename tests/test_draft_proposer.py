@@ -84,6 +84,32 @@ def test_branches_continue_each_outcome_of_the_verification_in_flight(model_dir)
     runner.blocks.check_invariants()
 
 
+def test_each_draft_carries_the_drafts_probability_of_it_as_transformers_computes_it(model_dir):
+    """Greedy: the softmax of the draft's logits at the token it picked, for the plain continuation and
+    for every branch's drafts (the router learns what acceptance each confidence means)."""
+    runner = runner_for(model_dir)
+    prompt, d = toks(45, 9), toks(46, 2)
+    out = Proposer(runner).propose([DraftRequest(1, 0, prompt, 4),
+                                    DraftRequest(2, 0, prompt + d, 3, num_verifying=2,
+                                                 branches=[BranchSpec(0, 2), BranchSpec(2, 1)])])
+    plain, branched = out.results
+    continuations = [(prompt, plain.plain)] + [(prompt + d[:b.accepted] + [b.token], b) for b in branched.branches]
+    for base, got in continuations:
+        assert len(got.confidence) == len(got.drafts) > 0
+        for i, (tok, conf) in enumerate(zip(got.drafts, got.confidence, strict=True)):
+            want = torch.softmax(hf_logits(model_dir, base + got.drafts[:i])[-1], -1)
+            assert conf == pytest.approx(want[tok].item(), rel=1e-3, abs=1e-5)
+            assert conf == pytest.approx(want.max().item(), rel=1e-3, abs=1e-5), "greedy: the favourite"
+
+
+def test_a_sampled_draft_carries_the_q_it_was_drawn_with(model_dir):
+    runner = runner_for(model_dir)
+    [res] = Proposer(runner, sparse_top_n=8).propose(
+        [DraftRequest(3, 0, toks(47, 8), 4, SamplingSpec(temperature=0.9, seed=11))]).results
+    for tok, q, conf in zip(res.plain.drafts, res.plain.probs, res.plain.confidence, strict=True):
+        assert conf == pytest.approx(dict(zip(q.token_ids, q.probs, strict=True))[tok])
+
+
 def test_plain_and_branched_entries_share_rounds(model_dir):
     runner = runner_for(model_dir)
     a, b = toks(50, 9), toks(51, 14)

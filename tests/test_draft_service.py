@@ -129,6 +129,8 @@ def test_branches_over_grpc_match_transformers(svc, draft_dir):
         base = prompt + d[:accepted]
         assert b.accepted == accepted
         assert list(b.drafts) == hf_greedy(draft_dir, base + [b.token], 3)
+        first = torch.softmax(hf_logits(draft_dir, base + [b.token])[-1], -1).max().item()
+        assert len(b.confidence) == 3 and b.confidence[0] == pytest.approx(first, rel=1e-3), "the draft's p(draft)"
     assert prop.branches[1].token == hf_greedy(draft_dir, prompt + d, 1)[0]
     assert prop.branches[0].token != d[0]
     svc.stub.Release(common_pb2.ReleaseRequest(seq_ids=[202]), timeout=10)

@@ -8,7 +8,17 @@ import random
 
 import pytest
 
-from router.speculation import MAX_RANK, Candidate, OutcomeStats, Prepared, best_proposal, plan_branches, prune
+from router.speculation import (
+    CONFIDENCE_BINS,
+    MAX_RANK,
+    Candidate,
+    OutcomeStats,
+    Prepared,
+    best_proposal,
+    confidence_of,
+    plan_branches,
+    prune,
+)
 
 H = [5, 6, 7, 8]  # the history when the draft prepared; d1 d2 d3 = 20 21 22 were being verified
 D = (20, 21, 22)
@@ -85,3 +95,44 @@ def test_rank_statistics_converge_to_the_truth_whatever_ranks_are_prepared():
         stats.observe(False, prepared, actual if actual in prepared else None)
     for r, p in truth.items():
         assert stats.p(False, r) == pytest.approx(p, abs=0.02), r
+
+
+def test_the_drafts_confidence_names_the_likely_outcome_where_one_acceptance_for_all_cannot():
+    """d1 sure, d2 a coin toss the draft itself doubted: "d1 accepted, d2 rejected" is the likeliest
+    outcome, which one acceptance rate for every draft (0.7 here) ranks below "all accepted"."""
+    uniform = Candidate(1, v=3, a=0.7, k=4)
+    confident = Candidate(1, v=3, a=0.7, k=4, accept=(0.98, 0.3, 0.9))
+    assert [round(uniform.outcome_p(j), 3) for j in range(4)] == [0.3, 0.21, 0.147, 0.343]
+    assert [round(confident.outcome_p(j), 3) for j in range(4)] == [0.02, 0.686, 0.029, 0.265]
+    assert sum(confident.outcome_p(j) for j in range(4)) == pytest.approx(1.0)
+    assert plan_branches([uniform], OutcomeStats(), budget=1)[1] == [(3, 1)]
+    assert plan_branches([confident], OutcomeStats(), budget=1)[1] == [(1, 1)]
+    assert Candidate(1, v=3, a=0.7, k=4, accept=(0.9,)).outcome_p(3) == pytest.approx(0.343), \
+        "confidences that do not cover every draft are not used"
+
+
+def test_acceptance_by_confidence_converges_to_the_truth_from_what_verifications_judge():
+    """Drafts accepted with probability truth(confidence) until the first rejection (the target judges
+    no draft after it): the learned acceptance per bin converges to the truth there, although later
+    drafts are seen only when every earlier one was accepted."""
+    truth = lambda c: 0.2 + 0.75 * c  # noqa: E731
+    rng = random.Random(3)
+    stats = OutcomeStats(decay=1.0)
+    for _ in range(20_000):
+        confidence = [rng.random() for _ in range(4)]
+        accepted = 0
+        while accepted < 4 and rng.random() < truth(confidence[accepted]):
+            accepted += 1
+        stats.verified(confidence, accepted)
+    for b in range(CONFIDENCE_BINS):
+        mid = (b + 0.5) / CONFIDENCE_BINS
+        assert stats.acceptance([mid])[0] == pytest.approx(truth(mid), abs=0.03), b
+
+
+def test_the_confidence_of_a_proposal_follows_it_into_a_late_history():
+    p = Prepared(len(H), (), (20, 21, 22), confidence=(0.9, 0.5, 0.2))
+    assert confidence_of([p], H, [20, 21]) == [0.9, 0.5]
+    assert confidence_of([p], H + [20], [21, 22]) == [0.5, 0.2], "one draft already decoded at k = 0"
+    assert confidence_of([p], H, [20, 99]) == [], "not the draft's proposal (prompt lookup's)"
+    assert confidence_of([Prepared(len(H), (), (20, 21, 22))], H, [20]) == [], "a draft that sent none"
+    assert confidence_of(BRANCHES, H + [20, 50], [51, 52]) == [], "branches without confidence"
