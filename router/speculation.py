@@ -111,10 +111,11 @@ class _ByConfidence:
 
 @dataclass
 class OutcomeStats:
-    """How often the target's next token is the draft's rank-r candidate: after a rejection (the
-    corrected token, the draft's rejected favourite excluded) and after full acceptance (the bonus).
-    Learned from the branches the router prepared: which ranks it prepares never depends on the
-    outcome, so hits / trials per rank is unbiased."""
+    """How verifications turn out, for choosing the outcomes to prepare: how often the target's next
+    token is the draft's rank-r candidate, after a rejection (the corrected token, the draft's rejected
+    favourite excluded) and after full acceptance (the bonus), learned from the branches the router
+    prepared (which ranks it prepares never depends on the outcome, so hits / trials per rank is
+    unbiased); and how often a draft is accepted at each confidence the draft had in it."""
 
     corrected: _RankCounts = field(default_factory=lambda: _prior(0.35, 0.55))
     bonus: _RankCounts = field(default_factory=lambda: _prior(0.6, 0.4))
