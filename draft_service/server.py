@@ -12,7 +12,8 @@ import grpc
 from common.checked import CheckedOnce
 from common.sampling import InvalidField
 from common.tracing import Tracing
-from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N, BranchSpec, DraftRequest, Proposer, SparseQ
+from draft_service.drafts import BranchSpec, DraftRequest, SparseQ
+from draft_service.proposer import SPARSE_Q_MASS, SPARSE_TOP_N, Proposer
 from engine.logits import Processors
 from engine.rpc import call_deadline, check_deadline, rpc_errors, sampling_spec, still_wanted
 from engine.runner import InvalidInput, ModelRunner, SeqInput

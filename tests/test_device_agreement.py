@@ -14,7 +14,8 @@ import functools
 import pytest
 import torch
 
-from draft_service.proposer import Continuation, DraftRequest, Proposer, _Row
+from draft_service.drafts import Continuation, DraftRequest
+from draft_service.proposer import Proposer, _Row
 from engine.sampling import SamplingSpec, filtered_probs, logprobs_of, sample, truncate_top, uniforms
 from target_service.acceptance import Rule, SparseDist, Verification, accept
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from common.grammar import Matcher, compile_grammar, load_tokenizer
-from draft_service.proposer import BranchSpec, DraftRequest, Proposer
+from draft_service.drafts import BranchSpec, DraftRequest
+from draft_service.proposer import Proposer
 from engine import EngineConfig, ModelRunner
 from engine.sampling import SamplingSpec
 from tests.test_structured import SCHEMA

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from draft_service.proposer import BranchSpec, DraftRequest, Proposer
+from draft_service.drafts import BranchSpec, DraftRequest
+from draft_service.proposer import Proposer
 from engine import EngineConfig, InvalidInput, KVCacheExhausted, ModelRunner, SeqInput
 from engine.kv_cache import blocks_for
 from engine.sampling import SamplingSpec
