@@ -235,8 +235,12 @@ class Proposer:
         sampled = [n for n, i in enumerate(live) if not rows[i].request.spec.greedy]
         if greedy:  # all rows greedy (the usual case): no gather of their logits first
             rows_greedy = logits if len(greedy) == len(live) else logits[greedy]
-            confidence = torch.exp(rows_greedy.amax(-1) - torch.logsumexp(rows_greedy, -1))
-            for n, tok, p in zip(greedy, *to_lists(rows_greedy.argmax(-1), confidence), strict=True):
+            # max(-1) picks argmax's token (the first of equal maxima) in a third of its time on a
+            # reduced head's -inf-filled logits; softmax there is cheaper than logsumexp (SmolLM2's
+            # draft, 16 rows: 0.35 + 0.5 ms against argmax 1.0 + logsumexp 3.5)
+            picked = rows_greedy.max(-1).indices
+            confidence = torch.softmax(rows_greedy, -1).gather(-1, picked[:, None]).squeeze(-1)
+            for n, tok, p in zip(greedy, *to_lists(picked, confidence), strict=True):
                 drawn[n], sure[n] = tok, p
         if sampled:
             specs = [rows[live[n]].request.spec for n in sampled]
