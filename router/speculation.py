@@ -102,6 +102,8 @@ class _ByConfidence:
 
     @staticmethod
     def bin(confidence: float) -> int:
+        if not math.isfinite(confidence):  # a broken draft's NaN or inf: the lowest bin, never a crash
+            return 0
         return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
 
     def p(self, confidence: float) -> float:

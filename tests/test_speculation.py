@@ -136,3 +136,10 @@ def test_the_confidence_of_a_proposal_follows_it_into_a_late_history():
     assert confidence_of([p], H, [20, 99]) == [], "not the draft's proposal (prompt lookup's)"
     assert confidence_of([Prepared(len(H), (), (20, 21, 22))], H, [20]) == [], "a draft that sent none"
     assert confidence_of(BRANCHES, H + [20, 50], [51, 52]) == [], "branches without confidence"
+
+
+def test_a_confidence_out_of_range_is_binned_not_raised():
+    """The draft is another service: NaN, inf or a negative confidence from it lands in a bin."""
+    stats = OutcomeStats()
+    stats.verified([float("nan"), float("inf"), -1.0, 2.0], 3)
+    assert all(0.0 <= p <= 1.0 for p in stats.acceptance([float("nan"), float("-inf"), -0.5, 1.5]))
