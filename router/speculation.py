@@ -78,37 +78,31 @@ def prune(prepared: list[Prepared], history: Seq[int]) -> list[Prepared]:
 
 
 @dataclass
-class _RankCounts:
+class _Counts:
+    """Decayed hits / trials per index: a rank, or a bin of the draft's confidence."""
+
     hits: list[float]
     trials: list[float]
 
-    def p(self, rank: int) -> float:
-        return self.hits[rank] / self.trials[rank]
+    def p(self, i: int) -> float:
+        return self.hits[i] / self.trials[i]
+
+    def add(self, i: int, hit: bool, decay: float) -> None:
+        self.trials[i] = decay * self.trials[i] + 1
+        self.hits[i] = decay * self.hits[i] + (1.0 if hit else 0.0)
 
 
-def _prior(first: float, decay: float) -> _RankCounts:
+def _prior(first: float, decay: float) -> _Counts:
     """Pseudo-counts worth 4 observations: P(rank r) = first * decay^(r-1)."""
-    return _RankCounts([0.0] + [4.0 * first * decay ** (r - 1) for r in range(1, MAX_RANK + 1)],
-                       [1.0] + [4.0] * MAX_RANK)
+    return _Counts([0.0] + [4.0 * first * decay ** (r - 1) for r in range(1, MAX_RANK + 1)],
+                   [1.0] + [4.0] * MAX_RANK)
 
 
-@dataclass
-class _ByConfidence:
-    """P(a draft is accepted | the draft's confidence in it), in CONFIDENCE_BINS equal bins: the
-    demo draft's 0.1-0.2 bin is accepted at 0.65 and its 0.3-0.5 at 0.93, SmolLM2's at 0.08 and 0.3."""
-
-    hits: list[float] = field(default_factory=lambda: [2.0] * CONFIDENCE_BINS)  # a prior worth 4 trials at 0.5
-    trials: list[float] = field(default_factory=lambda: [4.0] * CONFIDENCE_BINS)
-
-    @staticmethod
-    def bin(confidence: float) -> int:
-        if not math.isfinite(confidence):  # a broken draft's NaN or inf: the lowest bin, never a crash
-            return 0
-        return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
-
-    def p(self, confidence: float) -> float:
-        b = self.bin(confidence)
-        return self.hits[b] / self.trials[b]
+def _confidence_bin(confidence: float) -> int:
+    """The bin of 1 / CONFIDENCE_BINS holding a confidence; a broken draft's NaN or inf: the lowest."""
+    if not math.isfinite(confidence):
+        return 0
+    return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
 
 
 @dataclass
@@ -119,9 +113,11 @@ class OutcomeStats:
     prepared (which ranks it prepares never depends on the outcome, so hits / trials per rank is
     unbiased); and how often a draft is accepted at each confidence the draft had in it."""
 
-    corrected: _RankCounts = field(default_factory=lambda: _prior(0.35, 0.55))
-    bonus: _RankCounts = field(default_factory=lambda: _prior(0.6, 0.4))
-    by_confidence: _ByConfidence = field(default_factory=_ByConfidence)
+    corrected: _Counts = field(default_factory=lambda: _prior(0.35, 0.55))
+    bonus: _Counts = field(default_factory=lambda: _prior(0.6, 0.4))
+    # P(a draft is accepted | the draft's confidence in it), per bin, a prior worth 4 trials at 0.5: the demo
+    # draft's 0.1-0.2 bin is accepted at 0.65 and its 0.3-0.5 at 0.93, SmolLM2's at 0.08 and 0.3
+    by_confidence: _Counts = field(default_factory=lambda: _Counts([2.0] * CONFIDENCE_BINS, [4.0] * CONFIDENCE_BINS))
     decay: float = 0.999
 
     def p(self, full: bool, rank: int) -> float:
@@ -129,23 +125,19 @@ class OutcomeStats:
 
     def acceptance(self, confidence: Seq[float]) -> tuple[float, ...]:
         """Each draft's chance of acceptance (given those before it were accepted), from its confidence."""
-        return tuple(self.by_confidence.p(c) for c in confidence)
+        return tuple(self.by_confidence.p(_confidence_bin(c)) for c in confidence)
 
     def verified(self, confidence: Seq[float], accepted: int) -> None:
         """A verification of drafts with these confidences accepted `accepted`: the drafts up to the
         first rejected one were judged (those after it were not)."""
-        counts = self.by_confidence
         for i, c in enumerate(confidence[:accepted + 1]):
-            b = counts.bin(c)
-            counts.trials[b] = self.decay * counts.trials[b] + 1
-            counts.hits[b] = self.decay * counts.hits[b] + (1.0 if i < accepted else 0.0)
+            self.by_confidence.add(_confidence_bin(c), i < accepted, self.decay)
 
     def observe(self, full: bool, ranks: Seq[int], hit: int | None) -> None:
         """ranks: those prepared for the outcome that happened; hit: the one that matched (or None)."""
         counts = self.bonus if full else self.corrected
         for r in ranks:
-            counts.trials[r] = self.decay * counts.trials[r] + 1
-            counts.hits[r] = self.decay * counts.hits[r] + (1.0 if r == hit else 0.0)
+            counts.add(r, r == hit, self.decay)
 
 
 @dataclass(frozen=True)
