@@ -36,6 +36,7 @@ from router.scheduler import Scheduler, StepPlan
 from router.speculator import Speculator
 from router.step_entries import step_entries
 from router.step_faults import StepFaults
+from router.step_record import StepRecorder
 from router.step_results import StepResults
 from router.upfront import drafts_upfront, fill_misses, sequential_proposals, wait_for_landing
 from tandem.v1 import target_pb2
@@ -44,9 +45,6 @@ if TYPE_CHECKING:
     from router.tracing import StepTrace
 
 log = logging.getLogger(__name__)
-
-ROUND_TRIP_PRIOR_MS = 2.0  # an unchained step's router+RPC part before any was measured (1-3 ms on CPU hosts)
-
 
 class StepLoop:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, target: TargetClient, draft: DraftLane,
@@ -70,14 +68,7 @@ class StepLoop:
         self.regime = DraftRegime()  # whether the draft pays at all, measured (dynamic k, shared compute)
         self._upfront: set[int] = set()  # decoders whose next proposals are drafted before the next step
         self._answered_at = 0.0  # perf_counter() when the target's last answer came
-        self._round_trip_ms = ROUND_TRIP_PRIOR_MS  # what an unchained step's router+RPC part costs (decayed mean)
-        self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
-        self._busy = metrics.target_busy.labels(replica=target.address)
-        # read when /metrics is scraped, not written on every step
-        metrics.draft_slowdown.labels(replica=target.address).set_function(lambda: self.spec.pacing.contention.factor)
-        for kind, pool in (("draft", self.spec.draft_acceptance), ("lookup", self.spec.lookup_acceptance)):
-            metrics.pooled_acceptance.labels(replica=target.address, proposer=kind).set_function(
-                lambda pool=pool: pool.pooled.rate)
+        self.recorder = StepRecorder(self.spec, metrics, target.address)
         self._unchained = metrics.unchained_steps
         self._rests = metrics.draft_rests
         self.tracer = config.tracer
@@ -281,7 +272,7 @@ class StepLoop:
         """Send the step after plan's, each sequence's proposals keyed by plan's outcome (router.chain)."""
         seqs = [s for s, _ in plan.decodes]
         ks = self.spec.chain_ks(seqs)
-        if lookup_beats_chaining(self.spec, seqs, ks, self._round_trip_ms):
+        if lookup_beats_chaining(self.spec, seqs, ks, self.recorder.round_trip_ms):
             self._unchained.labels(reason="lookup").inc()
             return
         built = chained_entries(seqs, sent, ks, self.spec.max_model_len)
@@ -312,18 +303,5 @@ class StepLoop:
     def _record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
                 t_start: float, draft_busy: bool, chained: bool) -> None:
         self.steps += 1
-        tokens = plan.num_tokens
-        self.spec.observe_step(plan, target_wall_ms, draft_busy)  # wall time, RPC included: like the draft's
-        self.metrics.step_tokens.observe(tokens)
-        total_ms = (time.perf_counter() - t_start) * 1000
-        self._parts["target"].observe(response.forward_ms / 1000)
-        self._busy.inc(response.forward_ms / 1000)
-        self._parts["draft"].observe(draft_ms / 1000)
-        router_ms = max(0.0, total_ms - response.forward_ms - draft_ms)
-        self._parts["router"].observe(router_ms / 1000)
-        decoders = {s.seq_id for s, _ in plan.decodes}
-        emitted = sum(len(r.tokens) for r in response.results if r.seq_id in decoders)
-        prompt_tokens = sum(c.end - c.start for c in plan.chunks)
-        self.regime.observe(emitted, total_ms - self.spec.cost.beta * prompt_tokens)  # the decoders' share
-        if not chained:  # what waiting for an answer costs (lookup_beats_chaining)
-            self._round_trip_ms += 0.05 * (router_ms - self._round_trip_ms)
+        self.regime.observe(*self.recorder.record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy,
+                                                  chained))

@@ -1,0 +1,53 @@
+"""What a finished step tells the router: its parts' times for /metrics, what it cost for the
+speculator's models, and the decoders' share for the draft regime (router.regime), which the step
+loop feeds. Also what an unchained step's router+RPC part costs (chain.lookup_beats_chaining).
+
+    t_start ........ t_target ............. answered ....... now
+    | router, draft  | target (wall, RPC in)  | apply, book   |     total = now - t_start
+    router part = total - the target's forward - the draft's wait
+"""
+
+from __future__ import annotations
+
+import time
+
+from router.metrics import Metrics
+from router.scheduler import StepPlan
+from router.speculator import Speculator
+from tandem.v1 import target_pb2
+
+ROUND_TRIP_PRIOR_MS = 2.0  # an unchained step's router+RPC part before any was measured (1-3 ms on CPU hosts)
+
+
+class StepRecorder:
+    def __init__(self, spec: Speculator, metrics: Metrics, replica: str) -> None:
+        self.spec = spec
+        self.round_trip_ms = ROUND_TRIP_PRIOR_MS  # decayed mean over unchained steps
+        self._parts = {part: metrics.step_time.labels(part=part) for part in ("target", "draft", "router")}
+        self._busy = metrics.target_busy.labels(replica=replica)
+        self._tokens = metrics.step_tokens
+        # read when /metrics is scraped, not written on every step
+        metrics.draft_slowdown.labels(replica=replica).set_function(lambda: spec.pacing.contention.factor)
+        for kind, pool in (("draft", spec.draft_acceptance), ("lookup", spec.lookup_acceptance)):
+            metrics.pooled_acceptance.labels(replica=replica, proposer=kind).set_function(
+                lambda pool=pool: pool.pooled.rate)
+
+    def record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
+               t_start: float, draft_busy: bool, chained: bool) -> tuple[int, float]:
+        """Book one step; returns what its decoders emitted and the loop's ms for them (prompt chunks'
+        own share taken out), the draft regime's sample."""
+        tokens = plan.num_tokens
+        self.spec.observe_step(plan, target_wall_ms, draft_busy)  # wall time, RPC included: like the draft's
+        self._tokens.observe(tokens)
+        total_ms = (time.perf_counter() - t_start) * 1000
+        self._parts["target"].observe(response.forward_ms / 1000)
+        self._busy.inc(response.forward_ms / 1000)
+        self._parts["draft"].observe(draft_ms / 1000)
+        router_ms = max(0.0, total_ms - response.forward_ms - draft_ms)
+        self._parts["router"].observe(router_ms / 1000)
+        if not chained:  # what waiting for an answer costs (lookup_beats_chaining)
+            self.round_trip_ms += 0.05 * (router_ms - self.round_trip_ms)
+        decoders = {s.seq_id for s, _ in plan.decodes}
+        emitted = sum(len(r.tokens) for r in response.results if r.seq_id in decoders)
+        prompt_tokens = sum(c.end - c.start for c in plan.chunks)
+        return emitted, total_ms - self.spec.cost.beta * prompt_tokens
