@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.launch import Stack
+from router.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("shared", "two-device")
@@ -103,7 +103,7 @@ def affinity(pid: int) -> list[int]:
 
 @dataclass
 class PinnedStack(Stack):
-    """router.launch.Stack with each process started under the mode's `taskset` prefix."""
+    """router.stack.Stack with each process started under the mode's `taskset` prefix."""
 
     mode: Mode = field(default_factory=lambda: Mode("shared"))
 

@@ -5,7 +5,7 @@ Conversations share one system prompt; each turn sends the whole conversation so
 every earlier question and answer, the new question) through /v1/chat/completions with SSE, greedy,
 ignore_eos, the next turn leaving once the answer is complete (closed loop, `--concurrency`
 conversations at a time). The same conversations run twice, on a fresh stack each time (three
-processes on loopback, router.launch.Stack): with the defaults, and with the router's
+processes on loopback, router.stack.Stack): with the defaults, and with the router's
 --no-prefix-caching. Answers must be identical (greedy); the run fails otherwise.
 
 Reported per mode: TTFT p50 over all turns and over later turns (2+), output tokens/s over the run,
@@ -43,7 +43,7 @@ from tokenizers import Tokenizer
 
 from bench.report import answers_text, describe_difference
 from bench.stats import first_diff
-from router.launch import Stack, stack_ports
+from router.stack import Stack, stack_ports
 
 SOURCES = ("textwrap.py", "string.py", "fractions.py", "heapq.py", "bisect.py", "shlex.py")
 METRICS = ("tandem:spec_decode_num_draft_tokens_total", "tandem:spec_decode_num_accepted_tokens_total",

@@ -17,7 +17,7 @@ from bench.modes import Mode, PinnedStack
 from bench.plans import Load
 from bench.stats import Config, itl_samples, summarize
 from bench.workloads import Prompt
-from router.launch import stack_ports
+from router.stack import stack_ports
 
 
 @dataclass

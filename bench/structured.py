@@ -3,7 +3,7 @@ workload. `make bench` runs it too (python -m bench --workloads structured: once
 `measure()` here, its figures and section in that run's results.md); stand-alone, it prints `markdown()`
 and writes OUT/structured.json.
 
-It starts the stack (target + draft + router, router.launch.Stack), then sends the same prompts twice,
+It starts the stack (target + draft + router, router.stack.Stack), then sends the same prompts twice,
 4 at a time: free text, then each constrained to a JSON schema (chat-less completions; half greedy, half
 sampled with seeds). Every constrained answer must parse and validate against its schema, or the run
 fails. From /metrics deltas of each pass: acceptance, tokens per verification, grammar mask bytes per
@@ -23,7 +23,7 @@ import httpx
 import jsonschema
 
 from bench import prom
-from router.launch import Stack, stack_ports
+from router.stack import Stack, stack_ports
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "line": {"type": "integer"},

@@ -50,7 +50,7 @@ def test_pinned_stack_prefixes_each_process(monkeypatch, tmp_path: Path) -> None
         def __init__(self, cmd: list[str], **kwargs: object) -> None:
             seen[cmd[cmd.index("-m") + 1]] = cmd
 
-    monkeypatch.setattr("router.launch.subprocess.Popen", FakePopen)
+    monkeypatch.setattr("router.stack.subprocess.Popen", FakePopen)
     mode = Mode("two-device", threads=1, target_cpu=0, host_cpu=1)
     stack = PinnedStack(tmp_path / "t", tmp_path / "d", service_args=mode.service_args(), mode=mode)
     stack.start_service("target")

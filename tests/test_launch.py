@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from router.launch import _http_ok, free_port, free_ports, stack_ports
+from router.stack import _http_ok, free_port, free_ports, stack_ports
 
 
 def _get(url: str) -> dict:

@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from router.launch import free_port
+from router.stack import free_port
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.conftest import hf_greedy
 from tests.stack import wait_until

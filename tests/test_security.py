@@ -124,7 +124,7 @@ def test_a_tls_service_refuses_plaintext_and_foreign_certificates(secure, pki, s
 
 
 def test_a_tls_service_can_answer_health_alone_in_plaintext_for_probes(pki, model_pair):
-    from router.launch import free_port
+    from router.stack import free_port
 
     health_port = free_port()
     target, _ = start_target(model_pair[0], transport=Transport(certs(pki["target"]), health_port=health_port))

@@ -1,4 +1,4 @@
-"""The e2e stack: target, draft and router as three real processes (router.launch.Stack) on free
+"""The e2e stack: target, draft and router as three real processes (router.stack.Stack) on free
 loopback ports, driven only through the public doors. TANDEM_E2E_MODELS names the model pair.
 
 Against a cluster (`make e2e-test K8S=1`): TANDEM_E2E_K8S=1, the router reachable at
@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.tls import TLSFiles
-from router.launch import Stack, free_port
+from router.stack import Stack, free_port
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +41,7 @@ def models_dir() -> Path:
 
 
 class ClusterStack:
-    """The same surface as router.launch.Stack, over a deployed Tandem (namespace `tandem`)."""
+    """The same surface as router.stack.Stack, over a deployed Tandem (namespace `tandem`)."""
 
     def __init__(self, models: Path) -> None:
         self.models = models

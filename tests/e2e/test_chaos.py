@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from router.launch import Stack, free_port
+from router.stack import Stack, free_port
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 POISON = 311  # the target fails every step that starts a sequence with this token

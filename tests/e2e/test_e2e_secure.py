@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import AuthenticationError, OpenAI
 
-from router.launch import _grpc_serving
+from router.stack import _grpc_serving
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.certs import serial_of
 from tests.e2e.conftest import auth_metadata, grpc_channel, http_client
