@@ -16,10 +16,19 @@ outcome instead, as a user's benchmark would:
 Tokens per ms swing with the text (prompt lookup finds repeated blocks or none), so a probe is
 compared with the preferred regime's steps just before and just after it, on about the same requests,
 and the median of the last EVIDENCE paired samples decides: the preference turns when it favours the
-other regime by MARGIN. Probes come PROBE_AFTER steps apart (spacing them out while they confirm the
-preference left the bench's loads, a few hundred steps each, with one or two probes, and a noisy first
-one held for a whole load). The first SETTLE steps of a run are not measured: proposals
+other regime by MARGIN. Probes come PROBE_AFTER steps apart, and further (up to SPACED times) while
+the evidence is CLEAR: at least CLEAR_AFTER samples, the last one agreeing. One sample alone never
+spaces them out: at c = 1 a 16-step window is half a request, and samples of one load's steady truth
+read 0.3-1.8x (demo pair, shared cores). The first SETTLE steps of a run are not measured: proposals
 prepared before it still land in it, and a draft back at work first catches up on what it missed.
+
+A stack starts resting (PRIOR): a draft on the target's compute must be measured to pay, by the
+median of TURN_AFTER samples at least. Where it does, as speculation on one GPU usually does, the
+first two probes say so; where it did not, starting at work cost the probes of resting and noisy
+readings that kept it at work: demo pair on two shared cores, four runs each side by side, (6) made
+0.78-0.83 / 0.87-0.94 / 0.64-1.04x of prompt lookup alone (7) at c = 1 / 4 / 16 starting at work,
+0.90-0.98 / 0.85-0.96 / 0.95-1.02x starting at rest; on SmolLM2, where the two regimes make about the
+same, 0.97-1.01 / 0.96 at c = 1 / 16 either way, and 0.98-1.01 against 0.93-0.94x at c = 4 (133 steps).
 
 The preference is kept per size of load (running sequences; sizes 1, 2, 3-5, 6-11, 12-23, ...: a
 closed loop of c clients dips below c between requests, and c = 4 or 16 should not cross a bound each
@@ -42,7 +51,12 @@ FIRST_PROBE = 16  # ... before the first probe of a stack
 SETTLE = 3  # first steps of a run not measured
 PAIRED = WINDOW - SETTLE  # measured steps of the preferred regime paired with a probe, before it and after it
 EVIDENCE = 5  # the last paired samples whose median decides
-MARGIN = 0.03  # the other regime must make this much more per ms to be preferred
+MARGIN = 0.03  # the other regime must make this much more per ms to be preferred ...
+TURN_AFTER = 2  # ... in the median of at least this many samples
+CLEAR = math.log(1.2)  # evidence this clear (the median of CLEAR_AFTER samples or more, the last one agreeing) ...
+CLEAR_AFTER = 3
+SPACED = 8  # ... doubles the gap between probes with each sample, up to SPACED * PROBE_AFTER
+PRIOR = False  # resting, until the draft is measured to pay
 
 
 def _per_ms(steps: list[tuple[int, float]]) -> float:
@@ -52,9 +66,10 @@ def _per_ms(steps: list[tuple[int, float]]) -> float:
 
 @dataclass
 class _Size:
-    prefer: bool = True  # drafting, until measured otherwise
+    prefer: bool = PRIOR  # True: drafting
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=EVIDENCE))  # log(resting / drafting)
-    current: bool = True  # the regime running now
+    current: bool = PRIOR  # the regime running now
+    spacing: int = 1  # probes PROBE_AFTER * spacing steps apart
     run: int = 0  # steps of the current run
     before: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PAIRED))  # preferred: (tokens, ms)
     probe: list[tuple[int, float]] = field(default_factory=list)  # the probe's measured steps
@@ -97,7 +112,10 @@ class _Size:
         ratio = math.log(probe / around)  # the probe's regime over the preferred one
         self.samples.append(ratio if self.prefer else -ratio)
         evidence = self.evidence
-        if abs(evidence) > math.log(1 + MARGIN) and (evidence < 0) != self.prefer:
+        favour = -1.0 if self.prefer else 1.0  # the sign of a log(resting / drafting) that favours the preference
+        clear = len(self.samples) >= CLEAR_AFTER and favour * evidence > CLEAR and favour * self.samples[-1] > 0
+        self.spacing = min(2 * self.spacing, SPACED) if clear else 1
+        if len(self.samples) >= TURN_AFTER and abs(evidence) > math.log(1 + MARGIN) and (evidence < 0) != self.prefer:
             self.prefer = evidence < 0
             self.current, self.run, self.before = self.prefer, 0, deque(maxlen=PAIRED)
             log.info("draft regime: %s (tokens per ms resting / drafting %.3f, median of %d probes)",
@@ -120,16 +138,16 @@ class DraftRegime:
         (the loop found nothing to do) is no step of a run."""
         if running == 0:
             self._measured = None
-            return self._last.current if self._last is not None else True
+            return self._last.current if self._last is not None else PRIOR
         key = self.size_of(running)
         if key not in self.sizes:
             last = self._last
             self.sizes[key] = _Size() if last is None else \
-                _Size(last.prefer, deque(last.samples, maxlen=EVIDENCE), last.prefer)
+                _Size(last.prefer, deque(last.samples, maxlen=EVIDENCE), last.prefer, last.spacing)
         size = self._last = self.sizes[key]
         if size.current != size.prefer and size.run >= WINDOW:
             size.end_probe()
-        elif size.current == size.prefer and size.run >= (PROBE_AFTER if size.samples else FIRST_PROBE):
+        elif size.current == size.prefer and size.run >= (PROBE_AFTER * size.spacing if size.samples else FIRST_PROBE):
             size.begin_probe()
         size.run += 1
         self._measured = size if size.run > SETTLE else None

@@ -1,5 +1,6 @@
-"""Whether the draft works at all (router.regime): drafting until resting it is measured to make more
-tokens per ms, each regime tried again now and then, per size of load."""
+"""Whether the draft works at all (router.regime): resting until drafting is measured to make more
+tokens per ms, each regime tried again now and then (less often while the evidence is clear), per
+size of load."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 from collections.abc import Callable
 
 from router.config import RouterConfig
-from router.regime import FIRST_PROBE, MARGIN, PAIRED, PROBE_AFTER, SETTLE, WINDOW, DraftRegime
+from router.regime import FIRST_PROBE, MARGIN, PAIRED, PROBE_AFTER, SETTLE, SPACED, WINDOW, DraftRegime
 from tests.conftest import hf_greedy
 from tests.stack import REALISTIC_STEP_S, complete, start_draft, start_router, start_target
 from tests.test_router_integration import metric, prompts
@@ -36,6 +37,15 @@ def runs(taken: list[bool]) -> list[tuple[bool, int]]:
     return out
 
 
+def drafts_within(taken: list[bool], probes: int) -> bool:
+    """Whether the draft was at work within `probes` probes (each a WINDOW and a PROBE_AFTER gap) and
+    in every run longer than a probe after that."""
+    regimes = runs(taken)
+    turned = next((i for i, (drafting, n) in enumerate(regimes) if drafting and n > WINDOW), len(regimes))
+    return turned < len(regimes) and all(drafting for drafting, n in regimes[turned:] if n > WINDOW) and \
+        sum(n for _, n in regimes[:turned]) <= FIRST_PROBE + probes * (WINDOW + PROBE_AFTER)
+
+
 def drafting_pays(drafting: bool, step: int) -> float:
     return 3.0 if drafting else 2.0
 
@@ -44,22 +54,39 @@ def resting_pays(drafting: bool, step: int) -> float:
     return 2.0 if drafting else 3.0
 
 
-def test_it_drafts_first_then_tries_resting_for_a_window_now_and_then_and_keeps_the_better():
-    taken = run(DraftRegime(), FIRST_PROBE + 3 * (WINDOW + PROBE_AFTER), 1, drafting_pays)
-    assert runs(taken) == [(True, FIRST_PROBE)] + [(False, WINDOW), (True, PROBE_AFTER)] * 3
+def test_it_rests_first_then_tries_drafting_for_a_window_and_keeps_the_better():
+    """A draft sharing the target's compute earns its place: it rests until a probe measures it paying."""
+    # two samples turn it, resting on for the steps paired with the second (PAIRED, once settled); the
+    # third agrees with the first two: the next gap is twice as long
+    expected = [(False, FIRST_PROBE), (True, WINDOW), (False, PROBE_AFTER), (True, WINDOW), (False, SETTLE + PAIRED),
+                (True, PROBE_AFTER), (False, WINDOW), (True, 2 * PROBE_AFTER), (False, WINDOW)]
+    assert runs(run(DraftRegime(), sum(n for _, n in expected), 1, drafting_pays)) == expected
 
 
-def test_a_draft_that_costs_more_than_it_yields_rests_and_is_tried_again_now_and_then():
-    taken = run(DraftRegime(), FIRST_PROBE + WINDOW + SETTLE + PAIRED + 3 * PROBE_AFTER + 2 * WINDOW, 1, resting_pays)
-    # drafting goes on for the steps paired with the probe (PAIRED, once settled), then rests
-    assert runs(taken) == [(True, FIRST_PROBE), (False, WINDOW), (True, SETTLE + PAIRED)] + \
-        [(False, PROBE_AFTER), (True, WINDOW)] * 2 + [(False, PROBE_AFTER)]
+def test_probes_space_out_while_the_evidence_is_clear():
+    """Each probe of the worse regime costs its window: once CLEAR_AFTER samples agree clearly, the gap
+    doubles with each sample that agrees again, up to SPACED times PROBE_AFTER."""
+    gaps = [1, 1] + [2 ** n for n in range(1, SPACED.bit_length())] + [SPACED] * 2
+    taken = run(DraftRegime(), FIRST_PROBE + sum(g * PROBE_AFTER + WINDOW for g in gaps), 1, resting_pays)
+    assert runs(taken) == [(False, FIRST_PROBE)] + [r for g in gaps for r in ((True, WINDOW), (False, g * PROBE_AFTER))]
 
 
-def test_a_difference_within_the_margin_keeps_the_draft_at_work():
-    taken = run(DraftRegime(), 6 * (PROBE_AFTER + WINDOW), 4, lambda drafting, step: 10.0 if drafting else
-                10.0 * (1 + MARGIN / 2))
-    assert all(drafting for drafting, n in runs(taken) if n > WINDOW) and taken[-1]
+def test_a_probe_that_disagrees_brings_the_gap_back():
+    regime = DraftRegime()
+    run(regime, 4000, 1, resting_pays)
+    assert regime.sizes[0].spacing == SPACED
+    taken: list[bool] = []
+    while not any(taken) or taken[-1]:  # up to the first step after a probe of drafting, now paying
+        taken += run(regime, 1, 1, drafting_pays)
+    taken += run(regime, PROBE_AFTER, 1, drafting_pays)
+    assert runs(taken)[-3:] == [(True, WINDOW), (False, PROBE_AFTER), (True, 1)]
+    assert regime.sizes[0].spacing == 1 and not regime.sizes[0].prefer  # one sample the other way: no turn yet
+
+
+def test_a_difference_within_the_margin_keeps_the_draft_resting():
+    taken = run(DraftRegime(), 6 * (PROBE_AFTER + WINDOW), 4, lambda drafting, step: 10.0 * (1 + MARGIN / 2)
+                if drafting else 10.0)
+    assert not any(drafting for drafting, n in runs(taken) if n > WINDOW) and not taken[-1]
 
 
 def test_it_follows_a_change_in_what_pays_within_a_few_probes():
@@ -68,21 +95,21 @@ def test_it_follows_a_change_in_what_pays_within_a_few_probes():
     assert not regime.drafting(1)
     taken = run(regime, 12 * (PROBE_AFTER + WINDOW), 1, drafting_pays)
     assert [drafting for drafting, n in runs(taken) if n > WINDOW][-1]  # the median of the last probes turned
-    assert taken[-PROBE_AFTER // 2:] == [True] * (PROBE_AFTER // 2)
+    assert regime.sizes[0].prefer
 
 
 def test_text_that_helps_lookup_more_or_less_does_not_hide_which_pays():
     """Tokens per ms swing with each request's text (prompt lookup finds repeated blocks or none), for
     both regimes alike: here a request of 40 steps makes 0.3-1.7x the mean. A probe is paired with the
     preferred regime's steps before and after it, and the median of the last few pairs decides, so
-    drafting, 20% ahead throughout, keeps its place although a lean request's drafting makes less than
-    a rich one's resting."""
+    drafting, 20% ahead throughout, takes its place within a few probes and keeps it although a lean
+    request's drafting makes less than a rich one's resting."""
     for seed in range(5):
         rng = random.Random(seed)
         levels = [rng.uniform(0.3, 1.7) for _ in range(100)]
         taken = run(DraftRegime(), 3000, 1,
                     lambda drafting, step, levels=levels: levels[step // 40] * (1.2 if drafting else 1.0))
-        assert all(drafting for drafting, n in runs(taken) if n > WINDOW)
+        assert drafts_within(taken, probes=4)
 
 
 def test_a_new_size_of_load_starts_from_the_last_sizes_preference_and_then_keeps_its_own():
@@ -106,7 +133,7 @@ def test_the_first_steps_of_a_run_are_not_measured():
         settling = (runs(taken)[-1][1] if taken and taken[-1] == drafting else 0) < SETTLE
         regime.observe(0 if drafting and settling else (300 if drafting else 200), 100.0)
         taken.append(drafting)
-    assert all(drafting for drafting, n in runs(taken) if n > WINDOW)
+    assert drafts_within(taken, probes=2)
 
 
 def test_steps_decided_elsewhere_are_not_samples():

@@ -33,7 +33,9 @@ def test_two_targets_two_drafts_spread_and_survive_a_lost_replica(model_pair):
     drafts = [start_draft(draft_dir) for _ in range(2)]
     spec_t = ",".join(t.address for t, _ in targets)
     spec_d = ",".join(d.address for d, _ in drafts)
-    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=16, target_grace_s=30),
+    # a fixed k: the draft replicas work from the first step (with dynamic k, on the cores they share with
+    # the targets, they would rest until measured to pay: router.regime)
+    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=16, target_grace_s=30, dynamic_k=False),
                           spec_t, spec_d, target_dir)
     try:
         ps = prompts(32)
