@@ -32,7 +32,10 @@ same, 0.97-1.01 / 0.96 at c = 1 / 16 either way, and 0.98-1.01 against 0.93-0.94
 
 The preference is kept per size of load (running sequences; sizes 1, 2, 3-5, 6-11, 12-23, ...: a
 closed loop of c clients dips below c between requests, and c = 4 or 16 should not cross a bound each
-time), and a size seen for the first time starts from the evidence of the size before it.
+time), and a size starts from the evidence of the size before it until it has measured a sample of its
+own: the bench's c = 16 loads are 100-150 steps, shorter than a probe's gap, and a size first seen in
+a warm-up's few steps had started c = 4 from no evidence (and the c = 16 after it from what c = 4's
+first readings said).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class _Size:
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=EVIDENCE))  # log(resting / drafting)
     current: bool = PRIOR  # the regime running now
     spacing: int = 1  # probes PROBE_AFTER * spacing steps apart
+    own: int = 0  # samples this size measured (the rest came from the size before it)
     run: int = 0  # steps of the current run
     before: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PAIRED))  # preferred: (tokens, ms)
     probe: list[tuple[int, float]] = field(default_factory=list)  # the probe's measured steps
@@ -111,6 +115,7 @@ class _Size:
             return
         ratio = math.log(probe / around)  # the probe's regime over the preferred one
         self.samples.append(ratio if self.prefer else -ratio)
+        self.own += 1
         evidence = self.evidence
         favour = -1.0 if self.prefer else 1.0  # the sign of a log(resting / drafting) that favours the preference
         clear = len(self.samples) >= CLEAR_AFTER and favour * evidence > CLEAR and favour * self.samples[-1] > 0
@@ -139,12 +144,14 @@ class DraftRegime:
         if running == 0:
             self._measured = None
             return self._last.current if self._last is not None else PRIOR
-        key = self.size_of(running)
-        if key not in self.sizes:
-            last = self._last
-            self.sizes[key] = _Size() if last is None else \
+        key, last = self.size_of(running), self._last
+        size = self.sizes.get(key)
+        if size is None or (not size.own and last is not None and last is not size and last.samples):
+            # a size that has measured nothing itself follows the last one's evidence: one first seen in a
+            # warm-up's few steps would otherwise start a later load of its size from nothing
+            size = self.sizes[key] = _Size() if last is None else \
                 _Size(last.prefer, deque(last.samples, maxlen=EVIDENCE), last.prefer, last.spacing)
-        size = self._last = self.sizes[key]
+        self._last = size
         if size.current != size.prefer and size.run >= WINDOW:
             size.end_probe()
         elif size.current == size.prefer and size.run >= (PROBE_AFTER * size.spacing if size.samples else FIRST_PROBE):

@@ -123,6 +123,16 @@ def test_a_new_size_of_load_starts_from_the_last_sizes_preference_and_then_keeps
     assert regime.size_of(12) == regime.size_of(16) == regime.size_of(23) != regime.size_of(11)
 
 
+def test_a_size_that_measured_nothing_itself_follows_the_evidence_measured_since():
+    """A warm-up's four requests make sizes 2-5 seen before any evidence; c = 1 then measures the draft
+    paying, and the c = 4 load after it starts drafting too, not from the prior."""
+    regime = DraftRegime()
+    run(regime, 4, 4, drafting_pays)  # the warm-up
+    run(regime, 6 * (PROBE_AFTER + WINDOW), 1, drafting_pays)
+    assert regime.sizes[0].prefer and not regime.sizes[regime.size_of(4)].own
+    assert run(regime, PROBE_AFTER, 4, drafting_pays) == [True] * PROBE_AFTER
+
+
 def test_the_first_steps_of_a_run_are_not_measured():
     """A switch's first steps carry the other regime's effects (proposals prepared before it, a draft
     catching up): were they measured, this draft, worth nothing only while it settles, would rest."""
