@@ -60,9 +60,10 @@ def run_structured(pair: Pair, quick: bool, log_dir: Path, samples: dict) -> dic
 
 def run_multiturn(pair: Pair, quick: bool, seed: int, log_dir: Path, samples: dict) -> dict:
     from bench import multiturn
+    from bench.conversations import shape_for
 
     try:
-        multiturn.shape_for(pair.max_model_len, quick)
+        shape_for(pair.max_model_len, quick)
     except ValueError as err:
         return _entry("multiturn", pair, "n/a", str(err))
     t0 = time.monotonic()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from bench.multiturn import ModeResult, Turn, first_differences, judged_differences, report, script, shape_for
+from bench.conversations import Turn, script, shape_for
+from bench.multiturn import ModeResult, first_differences, judged_differences, report
 
 
 def test_the_last_turn_fits_the_context_and_the_script_is_deterministic(model_pair):
