@@ -113,8 +113,9 @@ def test_any_draft_failure_is_k_0_never_a_failed_request(model_pair):
         alter_proposals(servicer, short)
 
     draft, _ = start_draft(draft_dir, alter=one_proposal_short)
-    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=16), target.address, draft.address,
-                          target_dir)
+    # a fixed k: the draft is asked every step (with dynamic k, on the target's cores, it rests until measured to pay)
+    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=16, dynamic_k=False), target.address,
+                          draft.address, target_dir)
     try:
         ps = prompts(6)
         with cf.ThreadPoolExecutor(6) as pool:
@@ -164,7 +165,9 @@ def test_a_draft_slower_than_its_deadline_costs_no_throughput(model_pair):
         alter_proposals(servicer, slowed)
 
     draft, _ = start_draft(draft_dir, alter=too_slow)
-    config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=16, draft_timeout_s=1.0)
+    # a fixed k keeps the draft asked every step (with dynamic k, sharing the target's cores here, it would
+    # rest until measured to pay, router.regime, and might never be asked in so short a load)
+    config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=16, draft_timeout_s=1.0, dynamic_k=False)
     with_draft = start_router(config, target.address, draft.address, target_dir)
     without = start_router(config, target.address, None, target_dir)
     try:
