@@ -111,8 +111,9 @@ class GraphRunner:
         self.tables[:b].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
         return [flat_to_padded[i] for i in batch.logits_indices]
 
-    def run(self, batch: FlatBatch, shape: tuple[int, int]) -> torch.Tensor:
-        """Logits [N, vocab] of the step's logits_indices (an empty tensor on a TP follower)."""
+    def run(self, batch: FlatBatch, shape: tuple[int, int], narrow: bool = False) -> torch.Tensor:
+        """Logits [N, vocab] of the step's logits_indices (an empty tensor on a TP follower; narrow:
+        CausalLM.logits)."""
         rows = self._fill(batch, *shape)
         self.runs += 1
         if self.capture:
@@ -122,7 +123,7 @@ class GraphRunner:
             hidden = self._forward(*shape)
         if not self.runner.tp.leader:
             return hidden[:0]
-        return self.runner.model.logits(hidden, torch.tensor(rows, device=hidden.device))
+        return self.runner.model.logits(hidden, torch.tensor(rows, device=hidden.device), narrow)
 
     # ---- capture ----------------------------------------------------------------------------
     @torch.inference_mode()

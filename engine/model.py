@@ -166,8 +166,15 @@ class ReducedHead(Linear):
         self.register_buffer("token_ids", torch.zeros(head_vocab, dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = super().forward(x).float()
-        full = scores.new_full((x.shape[0], self.vocab), float("-inf"))
+        return self.widen(self.scores(x))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, head_vocab] float32: column i scores token token_ids[i] (narrow logits)."""
+        return super().forward(x).float()
+
+    def widen(self, scores: torch.Tensor) -> torch.Tensor:
+        """Narrow logits -> [N, vocab], -inf where the head has no row."""
+        full = scores.new_full((scores.shape[0], self.vocab), float("-inf"))
         return full.index_copy_(1, self.token_ids, scores)
 
 
@@ -202,5 +209,10 @@ class CausalLM(nn.Module):
             x = layer(x, angles, ctx)
         return x
 
-    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden[logits_indices])).float()
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor, narrow: bool = False) -> torch.Tensor:
+        """[N, vocab] float32; narrow, with a ReducedHead: [N, head_vocab], its columns' tokens in
+        lm_head.token_ids (a draft's 8192 of 49152 columns: its draws read a sixth as much)."""
+        x = self.model.norm(hidden[logits_indices])
+        if narrow and isinstance(self.lm_head, ReducedHead):
+            return self.lm_head.scores(x)
+        return self.lm_head(x).float()

@@ -22,7 +22,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import GraphRunner
 from engine.kv_cache import BlockManager, PagedKVCache
 from engine.linear import calibrate
-from engine.model import CausalLM, ForwardContext
+from engine.model import CausalLM, ForwardContext, ReducedHead
 from engine.parallel import SINGLE, TensorParallel, check_shardable
 from engine.prefix_cache import PrefixCache
 from engine.weights import load_weights
@@ -195,14 +195,15 @@ class ModelRunner:
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, inputs: Sequence[SeqInput], checked: bool = False) -> list[torch.Tensor]:
+    def forward(self, inputs: Sequence[SeqInput], checked: bool = False, narrow: bool = False) -> list[torch.Tensor]:
         """Logits [num_logits, vocab] (float32) per input, in order. checked: the caller validated these
-        inputs already (the draft's own rounds, which its Proposer checked with the call)."""
+        inputs already (the draft's own rounds, which its Proposer checked with the call). narrow: a
+        reduced head's own columns only, [num_logits, head_vocab] (tokens: head_ids; widen() restores)."""
         if not checked:
             self.validate(inputs)
         batch = self.prepare(inputs)
         self.tp.send(batch)
-        logits = self.execute(batch)
+        logits = self.execute(batch, narrow)
         return list(logits.split([x.num_logits for x in inputs]))
 
     def prepare(self, inputs: Sequence[SeqInput]) -> FlatBatch:
@@ -230,13 +231,24 @@ class ModelRunner:
         return FlatBatch(ids, positions, slots, logits_indices, [t + [0] * (width - len(t)) for t in tables],
                          [x.start_pos for x in inputs], [len(x.tokens) for x in inputs], self.blocks.take_copies())
 
-    def execute(self, batch: FlatBatch) -> torch.Tensor:
+    @property
+    def head_ids(self) -> torch.Tensor | None:
+        """The token of each column of narrow logits; None where the head covers the vocabulary."""
+        head = self.model.lm_head
+        return head.token_ids if isinstance(head, ReducedHead) else None
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Narrow logits [N, head_vocab] -> [N, vocab] (unchanged where the head covers the vocabulary)."""
+        head = self.model.lm_head
+        return head.widen(logits) if isinstance(head, ReducedHead) else logits
+
+    def execute(self, batch: FlatBatch, narrow: bool = False) -> torch.Tensor:
         """Run the model over a flattened batch: logits on the leader, an empty tensor on followers."""
         for src, dst in batch.copies:  # copy-on-write: before the forward writes into dst
             self.kv_cache.copy_block(src, dst)
         if self.graphs is not None and (shape := self.graphs.shape_for(batch)) is not None:
             self.forward_calls += 1
-            return self.graphs.run(batch, shape)
+            return self.graphs.run(batch, shape, narrow)
         dev = self.device
         layout = BatchLayout(batch.start_positions, batch.query_lens,
                              torch.tensor(batch.block_tables, dtype=torch.int32, device=dev),
@@ -252,7 +264,7 @@ class ModelRunner:
         hidden = self.model.hidden_states(input_ids, ctx)
         if not self.tp.leader:
             return hidden[:0]
-        return self.model.logits(hidden, ctx.logits_indices)
+        return self.model.logits(hidden, ctx.logits_indices, narrow)
 
     @torch.inference_mode()
     def follow(self) -> int:

@@ -39,6 +39,24 @@ def write_checkpoint(config, directory: Path, seed: int = 0, shard: str | None =
     return directory
 
 
+def reduce_head(src: Path, dst: Path, keep: list[int]) -> Path:
+    """dst: src's checkpoint with an lm_head over `keep` only (a draft's reduced vocabulary).
+    Ids outside the vocabulary get a zero row (for the refusal test)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    head = weights["lm_head.weight"]
+    weights["lm_head.weight"] = torch.stack([head[t] if t < head.shape[0] else head[0] * 0 for t in keep])
+    weights["lm_head.token_ids"] = torch.tensor(keep)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "draft_vocab_size": len(keep)}))
+    return dst
+
+
 @pytest.fixture(scope="session", params=sorted(ARCHS))
 def hf_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     """(name, dir) for each architecture; the qwen2 one is saved sharded."""

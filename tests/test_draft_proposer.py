@@ -13,7 +13,7 @@ from draft_service.proposer import Proposer
 from engine import EngineConfig, InvalidInput, KVCacheExhausted, ModelRunner, SeqInput
 from engine.kv_cache import blocks_for
 from engine.sampling import SamplingSpec
-from tests.conftest import SMALL, hf_greedy, hf_logits, write_checkpoint
+from tests.conftest import SMALL, hf_greedy, hf_logits, reduce_head, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,44 @@ def test_each_draft_carries_the_drafts_probability_of_it_as_transformers_compute
             want = torch.softmax(hf_logits(model_dir, base + got.drafts[:i])[-1], -1)
             assert conf == pytest.approx(want[tok].item(), rel=1e-3, abs=1e-5)
             assert conf == pytest.approx(want.max().item(), rel=1e-3, abs=1e-5), "greedy: the favourite"
+
+
+def test_a_reduced_head_drafts_from_its_own_columns_as_transformers_would_over_them(model_dir, tmp_path):
+    """A draft whose head covers a third of the vocabulary draws from its narrow logits (8192 columns of
+    SmolLM2's 49152): its drafts, branch guesses and confidences are transformers' over the head's
+    tokens alone, and a sampled draft (drawn over the whole vocabulary, -inf outside the head) ships a
+    q naming head tokens only."""
+    keep = sorted(torch.randperm(SMALL["vocab_size"], generator=torch.Generator().manual_seed(3))[:32].tolist())
+    runner = runner_for(reduce_head(model_dir, tmp_path / "reduced", keep))
+
+    def over_head(history: list[int]) -> torch.Tensor:
+        full = hf_logits(model_dir, history)[-1]
+        return torch.full_like(full, float("-inf")).index_copy_(0, torch.tensor(keep), full[keep])
+
+    def greedy(history: list[int], n: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(n):
+            out.append(int(over_head(history + out).argmax()))
+        return out
+
+    prompt, d = toks(50, 9), toks(51, 2)
+    specs = [BranchSpec(0, 2), BranchSpec(2, 1)]
+    plain, branched = Proposer(runner).propose([
+        DraftRequest(1, 0, prompt, 4), DraftRequest(2, 0, prompt + d, 3, num_verifying=2, branches=specs)]).results
+    assert plain.plain.drafts == greedy(prompt, 4)
+    for spec, b in zip(specs, branched.branches, strict=True):
+        base = prompt + d[:spec.accepted]
+        ranked_here = [t for t in over_head(base).argsort(descending=True).tolist() if spec.accepted == 2 or t != d[0]]
+        assert b.token == ranked_here[spec.rank - 1]
+        assert b.drafts == greedy(base + [b.token], 3)
+    for i, (tok, conf) in enumerate(zip(plain.plain.drafts, plain.plain.confidence, strict=True)):
+        assert conf == pytest.approx(torch.softmax(over_head(prompt + plain.plain.drafts[:i]), -1)[tok].item(),
+                                     rel=1e-3, abs=1e-5)
+    [sampled] = Proposer(runner, sparse_top_n=8).propose(
+        [DraftRequest(3, 0, toks(47, 8), 4, SamplingSpec(temperature=0.9, seed=11))]).results
+    assert set(sampled.plain.drafts) <= set(keep)
+    assert all(set(q.token_ids) <= set(keep) for q in sampled.plain.probs)
+    runner.blocks.check_invariants()
 
 
 def test_a_sampled_draft_carries_the_q_it_was_drawn_with(model_dir):

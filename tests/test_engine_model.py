@@ -180,46 +180,33 @@ def test_unsupported_architecture_is_named(tmp_path):
         ModelRunner.load(tmp_path)
 
 
-def _reduce_head(src, dst, keep: list[int]) -> None:
-    """dst: src's checkpoint with an lm_head over `keep` only (a draft's reduced vocabulary).
-    Ids outside the vocabulary get a zero row (for the refusal test)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    head = weights["lm_head.weight"]
-    weights["lm_head.weight"] = torch.stack([head[t] if t < head.shape[0] else head[0] * 0 for t in keep])
-    weights["lm_head.token_ids"] = torch.tensor(keep)
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "draft_vocab_size": len(keep)}))
-
-
 def test_reduced_vocabulary_head_scores_its_tokens_only(tmp_path):
     """A draft whose head covers 40 of 97 tokens: those logits equal the full model's, the rest are
     -inf (the draft never proposes them, and its q is exactly zero there)."""
-    from tests.conftest import ARCHS, write_checkpoint
+    from tests.conftest import ARCHS, reduce_head, write_checkpoint
 
     full = write_checkpoint(ARCHS["llama3"](), tmp_path / "full")
     keep = sorted(torch.randperm(97, generator=torch.Generator().manual_seed(0))[:40].tolist())
-    _reduce_head(full, tmp_path / "reduced", keep)
+    reduce_head(full, tmp_path / "reduced", keep)
     prompt = tokens(11, 23)
     [logits] = runner_for(tmp_path / "reduced").forward([SeqInput(1, 0, prompt, num_logits=len(prompt))])
     ref = hf_logits(full, prompt)
     torch.testing.assert_close(logits[:, keep], ref[:, keep], atol=ATOL, rtol=0)
     others = [t for t in range(97) if t not in keep]
     assert torch.isneginf(logits[:, others]).all()
+    runner = runner_for(tmp_path / "reduced")
+    [narrow] = runner.forward([SeqInput(1, 0, prompt, num_logits=len(prompt))], narrow=True)
+    assert narrow.shape == (len(prompt), len(keep)) and runner.head_ids.tolist() == keep
+    torch.testing.assert_close(runner.widen(narrow), logits, atol=0, rtol=0)
 
 
 def test_reduced_head_with_bad_token_ids_is_refused(tmp_path):
-    from tests.conftest import ARCHS, write_checkpoint
+    from tests.conftest import ARCHS, reduce_head, write_checkpoint
 
     full = write_checkpoint(ARCHS["llama3"](), tmp_path / "full")
-    _reduce_head(full, tmp_path / "dup", [3, 5, 5, 9])
+    reduce_head(full, tmp_path / "dup", [3, 5, 5, 9])
     with pytest.raises(ValueError, match="distinct"):
         runner_for(tmp_path / "dup")
-    _reduce_head(full, tmp_path / "out", [3, 500])
+    reduce_head(full, tmp_path / "out", [3, 500])
     with pytest.raises(ValueError, match="outside"):
         runner_for(tmp_path / "out")
