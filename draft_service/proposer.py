@@ -72,6 +72,7 @@ class Proposer:
         self.sparse_top_n = sparse_top_n
         self.sparse_q_mass = sparse_q_mass
         model_dir = getattr(runner, "model_dir", None)  # tests drive a Proposer without a loaded model
+        self.head_ids = getattr(runner, "head_ids", None)  # the tokens of narrow logits' columns (None: all)
         tokenizer = model_dir / "tokenizer.json" if model_dir else None
         self.constraints = Constraints(tokenizer if tokenizer and tokenizer.is_file() else None,
                                        runner.model_config.vocab_size if model_dir else 0, eos_ids)
@@ -182,7 +183,7 @@ class Proposer:
                 guess_logits = rows_logits[spec.accepted:spec.accepted + 1]
                 if state is not None:
                     guess_logits = state.process(self.runner.widen(guess_logits), fork_len)
-                token = self._guess(guess_logits[0], q, spec, None if state is not None else self.runner.head_ids)
+                token = self._guess(guess_logits[0], q, spec, None if state is not None else self.head_ids)
                 if state is not None:
                     state.advance(token)
                 child = -1 - len(forks)  # temporary ids: never a router's (non-negative) seq_id
@@ -229,7 +230,7 @@ class Proposer:
         active = [n for n, i in enumerate(live) if rows[i].state is not None and rows[i].state.active]
         greedy = [n for n, i in enumerate(live) if rows[i].request.spec.greedy]
         sampled = [n for n, i in enumerate(live) if not rows[i].request.spec.greedy]
-        head_ids = self.runner.head_ids
+        head_ids = self.head_ids
         if head_ids is not None and (active or sampled):  # processors and q see the whole vocabulary
             logits, head_ids = self.runner.widen(logits), None
         if active:
