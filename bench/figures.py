@@ -121,8 +121,10 @@ def figures(pair: str, mode: str, res: dict, profile: Profile) -> list[Figure]:
     for cfg in ("5", "6"):
         for load in ("c1", "c16"):
             late, wrong = eng(cfg, load, "pipeline_miss_late"), eng(cfg, load, "pipeline_miss_wrong")
+            unasked = eng(cfg, load, "pipeline_miss_unasked")  # nan in runs before the reason existed
             detail = ("not run" if not ran(cfg, load) else "no lookups: it never speculated here" if math.isnan(late)
-                      else f"misses: late {late:.0%}, wrong {wrong:.0%} of lookups")
+                      else f"misses: late {late:.0%}, wrong {wrong:.0%}"
+                      + ("" if math.isnan(unasked) else f", unasked {unasked:.0%}") + " of lookups")
             out.append(fig("#13", f"pipeline hit rate, ({cfg}) at {_label(load)}", eng(cfg, load, "pipeline_hit_rate"),
                            ">=", HIT_RATE_MIN, "rate", detail))
     if mode == "two-device":

@@ -59,9 +59,11 @@ def derive(d: Samples, wall: float) -> dict[str, float]:
         "emitted_per_step": _ratio(_get(d, "tandem:spec_decode_emitted_tokens_per_step_sum"),
                                    _get(d, "tandem:spec_decode_emitted_tokens_per_step_count")),
         "pipeline_hit_rate": _ratio(_get(d, "tandem:pipeline_hits_total"), lookups),
-        # misses as shares of lookups: late = nothing prepared for the outcome yet, wrong = no branch matched
+        # misses as shares of lookups: late = nothing prepared for the outcome yet, wrong = no branch matched,
+        # unasked = the router asked the draft for nothing there (a probe's rest, a sequence kept to lookup)
         "pipeline_miss_late": _ratio(_get(d, "tandem:pipeline_misses_total", reason="late"), lookups),
         "pipeline_miss_wrong": _ratio(_get(d, "tandem:pipeline_misses_total", reason="wrong"), lookups),
+        "pipeline_miss_unasked": _ratio(_get(d, "tandem:pipeline_misses_total", reason="unasked"), lookups),
         # ... and the misses the draft filled before the step, on its critical path (router.upfront)
         "pipeline_fills": _ratio(_get(d, "tandem:pipeline_fills_total"), lookups),
         # pipelined steps whose proposals were drafted before them instead (Speculator.drafts_upfront)

@@ -44,7 +44,7 @@ def latency_table(data: dict, run: dict) -> list[str]:
 def engine_table(data: dict, run: dict) -> list[str]:
     labels = _labels(data, run["pair"])
     rows = ["| config | load | acceptance | drafts / verify | emitted / step | pipeline hits "
-            "| misses late / wrong (filled) | target busy | target ms / step | tokens / step "
+            "| misses late / wrong / unasked (filled) | target busy | target ms / step | tokens / step "
             "| draft ms / step, critical path (upfront steps) "
             "| router+RPC ms / step | router+RPC / target | chained (not: draft late) "
             "| draft slowdown / pooled acceptance |",
@@ -58,7 +58,8 @@ def engine_table(data: dict, run: dict) -> list[str]:
                 f"| ({cfg}) | {labels.get(load, load)} | {_n(e.get('acceptance'), '{:.2f}')} "
                 f"| {_n(e.get('draft_tokens_per_verify'), '{:.2f}')} | {_n(e.get('emitted_per_step'), '{:.2f}')} "
                 f"| {_n(e.get('pipeline_hit_rate'), '{:.0%}')} | {_n(e.get('pipeline_miss_late'), '{:.0%}')} / "
-                f"{_n(e.get('pipeline_miss_wrong'), '{:.0%}')} ({_n(e.get('pipeline_fills'), '{:.0%}')}) "
+                f"{_n(e.get('pipeline_miss_wrong'), '{:.0%}')} / {_n(e.get('pipeline_miss_unasked'), '{:.0%}')} "
+                f"({_n(e.get('pipeline_fills'), '{:.0%}')}) "
                 f"| {_n(e.get('target_busy'), '{:.0%}')} "
                 f"| {_n(e.get('target_ms_per_step'))} | {_n(e.get('tokens_per_step'), '{:.0f}')} "
                 f"| {_n(e.get('draft_ms_per_step'))} ({_n(e.get('upfront_share'), '{:.0%}')}) "

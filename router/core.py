@@ -123,6 +123,7 @@ class Sequence:
     prepared: list[Prepared] = field(default_factory=list)
     cache_epoch: int = 0  # bumped whenever the caches are dropped: late draft results for an old epoch are void
     outcome_start: int = -1  # history length before the last verification: its branches start there
+    asked_at: int = -1  # history length of the last step the draft was asked to prepare this one's outcomes for
     prefix: SeqPrefix = field(default_factory=SeqPrefix)  # cached prefixes it attaches (router.prefix)
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of the draft's proposals
     lookup_tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of prompt-lookup proposals

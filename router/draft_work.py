@@ -77,6 +77,8 @@ class DraftWork:
             branches=[draft_pb2.Branch(accepted=j, rank=r) for j, r in branches], prompt_len=seq.num_prompt,
             grammar=seq.request.grammar if start == 0 else "", fork_of=fork_of,
             prefix_block_hashes=attach))
+        if k:
+            seq.asked_at = len(base) - v  # the outcome of the verification in flight (speculator.miss_kind)
         self.seqs.append(seq)
         self.bases.append(base)
         self.epochs.append(seq.cache_epoch)

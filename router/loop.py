@@ -204,6 +204,8 @@ class StepLoop:
             else "down" if not self.draft.up else "busy" if not self.draft.idle \
             else "probe" if self.spec.pacing.rests(plan, self.steps) else None
         if rest is not None:
+            if rest == "busy":  # it cannot keep up: a miss of these decoders next step is late, not unasked
+                self.spec.asked_for(plan)
             if self.config.pipeline and self.draft.client is not None:
                 self._rests.labels(reason=rest).inc()
             return False

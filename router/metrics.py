@@ -48,8 +48,10 @@ class Metrics:
                                           "Tokens a decoding sequence emits per step", registry=r,
                                           buckets=tuple(range(1, k_max + 3)))
         self.pipeline_misses = Counter("tandem:pipeline_misses", "Decodes that wanted a proposal and had none: "
-                                       "late = the draft had prepared nothing for this outcome yet, wrong = "
-                                       "it had, and no prepared branch matched", ["reason"], registry=r)
+                                       "late = the draft had prepared nothing for this outcome yet (asked, or "
+                                       "busy with an earlier call), wrong = it had, and no prepared branch "
+                                       "matched, unasked = the router asked it for nothing there (a probe's "
+                                       "rest, a sequence kept to prompt lookup)", ["reason"], registry=r)
         self.pipeline_fills = Counter("tandem:pipeline_fills", "Pipeline misses filled: the draft proposed for them "
                                       "before the step (on its critical path), where that was worth its time",
                                       registry=r)

@@ -10,7 +10,7 @@ load the per-request figures add up to the counters' increase:
     num_accepted_tokens_per_pos[i]  tandem:spec_decode_num_accepted_tokens_per_pos_total{position="i"}
     num_decode_steps           tandem:spec_decode_emitted_tokens_per_step_count
     pipeline_lookups, _hits    tandem:pipeline_lookups_total, tandem:pipeline_hits_total
-    pipeline_misses_late/wrong tandem:pipeline_misses_total{reason="late"|"wrong"}
+    pipeline_misses_late/wrong/unasked tandem:pipeline_misses_total{reason="late"|"wrong"|"unasked"}
     num_preemptions            tandem:num_preemptions_total
     queued_seconds             tandem:request_queue_time_seconds_sum
 
@@ -43,7 +43,7 @@ class RequestStats:
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     acceptance_histogram: list[int] = field(default_factory=list)
-    pipeline: dict[str, int] = field(default_factory=lambda: {"hit": 0, "late": 0, "wrong": 0})
+    pipeline: dict[str, int] = field(default_factory=lambda: {"hit": 0, "late": 0, "wrong": 0, "unasked": 0})
     trace: RequestTrace | None = None  # its spans, when tracing is on (router.tracing)
 
     # ---- the request's timeline ---------------------------------------------------------------
@@ -97,6 +97,7 @@ class RequestStats:
                                                                self.num_draft_tokens_per_pos, strict=False)],
             "pipeline_lookups": sum(self.pipeline.values()), "pipeline_hits": self.pipeline["hit"],
             "pipeline_misses_late": self.pipeline["late"], "pipeline_misses_wrong": self.pipeline["wrong"],
+            "pipeline_misses_unasked": self.pipeline["unasked"],
         }
 
 

@@ -167,6 +167,22 @@ class Speculator:
         return [s for s in self.scheduler.running if not s.prefilling and not s.finished]
 
     @staticmethod
+    def asked_for(plan: StepPlan) -> None:
+        """The draft would have been asked for the outcomes of plan's decoders (it was busy)."""
+        for seq, _ in plan.decodes:
+            seq.asked_at = len(seq.tokens)
+
+    @staticmethod
+    def miss_kind(seq: Sequence) -> str:
+        """Why seq found no prepared proposal continuing its history: wrong (the draft prepared branches
+        for this outcome and none matched), late (it was asked, or busy with an earlier call, and had
+        not answered) or unasked (the router asked it for nothing here: resting for a probe, the
+        sequence kept to prompt lookup, branches not worth their slowdown of the target)."""
+        if Speculator.prepared_for_outcome(seq):
+            return "wrong"
+        return "late" if 0 <= seq.asked_at == seq.outcome_start else "unasked"
+
+    @staticmethod
     def prepared_for_outcome(seq: Sequence) -> bool:
         """Whether the draft prepared anything for the outcome of seq's last verification."""
         return any(p.start == seq.outcome_start for p in seq.prepared)
@@ -206,7 +222,7 @@ class Speculator:
 
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),
-        late (nothing was prepared for this outcome yet) or wrong (no prepared branch matched); else None."""
+        or why it missed (miss_kind: late, unasked or wrong); else None."""
         if seq.next_k <= 0 or not self.draft_at_work or seq.seq_id in self.lookup_over_draft \
                 or seq.seq_id in self.drafted_upfront:
             return None
@@ -214,7 +230,7 @@ class Speculator:
             return self.filled[seq.seq_id]
         if seq.seq_id in self.from_draft:
             return "hit"
-        return "late" if seq.seq_id in self.late else "wrong"
+        return self.miss_kind(seq) if seq.seq_id in self.late else "wrong"
 
     def new_step(self, upfront: set[int] | None = None) -> None:
         self.drafted_upfront = upfront or set()

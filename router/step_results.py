@@ -77,7 +77,7 @@ class StepResults:
             if outcome is None:
                 continue
             self.metrics.pipeline_lookups.inc()
-            if outcome != "late":
+            if outcome in ("hit", "wrong"):  # whether prepared branches name the outcome
                 self.spec.match_odds.observe(outcome == "hit")
             if outcome == "hit":
                 self.metrics.pipeline_hits.inc()

@@ -165,8 +165,9 @@ async def fill_misses(spec: Speculator, filled: Counter | None = None) -> float:
     fills, worth_ms = misses_worth_filling(spec, spec.decoding())
     work, kinds = DraftWork(), {}
     for seq in fills:
+        kind = spec.miss_kind(seq)  # before this call asks for it
         if work.add(seq, list(seq.tokens), spec.cap(seq), 0, seq.request.sampling_proto, [], draft.budget):
-            kinds[seq.seq_id] = "wrong" if spec.prepared_for_outcome(seq) else "late"
+            kinds[seq.seq_id] = kind
     if not work.entries:
         return 0.0
     t0 = time.perf_counter()

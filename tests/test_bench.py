@@ -189,6 +189,7 @@ def test_prom_derive_splits_misses_and_router_share() -> None:
          ("tandem:pipeline_lookups_total", ()): 20.0, ("tandem:pipeline_hits_total", ()): 15.0,
          ("tandem:pipeline_misses_total", (("reason", "late"),)): 4.0,
          ("tandem:pipeline_misses_total", (("reason", "wrong"),)): 1.0, ("tandem:chained_steps_total", ()): 4.0,
+         ("tandem:pipeline_misses_total", (("reason", "unasked"),)): 2.0,
          ("tandem:pipeline_fills_total", ()): 3.0, ("tandem:upfront_steps_total", ()): 5.0,
          ("tandem:unchained_steps_total", (("reason", "draft_late"), ("replica", "t"))): 3.0,
          ("tandem:unchained_steps_total", (("reason", "plan"), ("replica", "t"))): 2.0,
@@ -202,6 +203,7 @@ def test_prom_derive_splits_misses_and_router_share() -> None:
                      ("tandem:spec_decode_pooled_acceptance", (("proposer", "lookup"), ("replica", "t"))): 0.5})
     assert g == {"draft_slowdown": 1.3, "pooled_acceptance_draft": 0.25, "pooled_acceptance_lookup": 0.5}
     assert e["pipeline_hit_rate"] == 0.75 and e["pipeline_miss_late"] == 0.2 and e["pipeline_miss_wrong"] == 0.05
+    assert e["pipeline_miss_unasked"] == 0.1
     assert e["pipeline_fills"] == 0.15 and e["upfront_share"] == 0.5
     assert e["target_ms_per_step"] == pytest.approx(20.0) and e["router_over_target"] == pytest.approx(0.05)
 

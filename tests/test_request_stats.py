@@ -121,6 +121,7 @@ def test_per_request_figures_add_up_to_the_aggregate_counters(router):
     assert total("pipeline_hits") == delta("tandem:pipeline_hits_total")
     assert total("pipeline_misses_late") == delta("tandem:pipeline_misses_total", reason="late")
     assert total("pipeline_misses_wrong") == delta("tandem:pipeline_misses_total", reason="wrong")
+    assert total("pipeline_misses_unasked") == delta("tandem:pipeline_misses_total", reason="unasked")
     assert total("num_preemptions") == delta("tandem:num_preemptions_total") > 0
     assert total("queued_seconds") == pytest.approx(delta("tandem:request_queue_time_seconds_sum"), abs=1e-6)
     assert len(outs) == delta("tandem:request_queue_time_seconds_count")
@@ -139,7 +140,8 @@ def test_each_request_s_figures_are_consistent(router):
             assert f["draft_acceptance_rate"] == pytest.approx(f["num_accepted_draft_tokens"] / f["num_draft_tokens"])
             assert f["mean_acceptance_length"] == pytest.approx(1 + f["num_accepted_draft_tokens"] /
                                                                 f["num_spec_steps"])
-        assert f["pipeline_lookups"] == f["pipeline_hits"] + f["pipeline_misses_late"] + f["pipeline_misses_wrong"]
+        assert f["pipeline_lookups"] == f["pipeline_hits"] + f["pipeline_misses_late"] + f["pipeline_misses_wrong"] \
+            + f["pipeline_misses_unasked"]
         assert f["pipeline_lookups"] <= f["num_decode_steps"] < usage["completion_tokens"]
         assert f["num_prefill_chunks"] >= 1 and f["queued_seconds"] >= 0.0
 

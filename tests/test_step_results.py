@@ -1,9 +1,11 @@
 """router/step_results.py: a target step's answer applied to the books, without services. Results
 come in the step's entry order (decodes, prompt chunks, forked siblings); each decode updates the
 tracker of the proposer it verified, the spec-decode counters count what was verified and accepted,
-and each decoder that wanted drafts is a pipeline hit, late or wrong."""
+and each decoder that wanted drafts is a pipeline hit, late, wrong or unasked."""
 
 from __future__ import annotations
+
+import pytest
 
 from router.core import GREEDY, Request, Sequence
 from router.metrics import Metrics
@@ -63,26 +65,36 @@ def test_a_finished_sequence_is_counted_but_gets_no_more_tokens():
     assert _value(metrics, "tandem:spec_decode_num_accepted_tokens_total") == 1
 
 
-def test_each_decoder_that_wanted_drafts_is_a_pipeline_hit_late_or_wrong():
+def test_each_decoder_that_wanted_drafts_is_a_pipeline_hit_late_wrong_or_unasked():
+    """late: the draft was asked for the outcome (or busy) and had not answered; unasked: the router
+    asked it for nothing there (a rest, a sequence kept to lookup)."""
     spec, metrics, _, results = _books()
-    hit, late, wrong, plain, on_lookup = (_seq(i, [1, 2, 3]) for i in range(1, 6))
-    for seq in (hit, late, wrong, on_lookup):
+    hit, late, wrong, plain, on_lookup, unasked = (_seq(i, [1, 2, 3]) for i in range(1, 7))
+    for seq in (hit, late, wrong, on_lookup, unasked):
         seq.next_k = 2
+        seq.outcome_start = 3
+    late.asked_at, unasked.asked_at = 3, 1  # unasked: the last call for it was two outcomes ago
     spec.from_draft.add(hit.seq_id)
-    spec.late.add(late.seq_id)
+    spec.late.update({late.seq_id, unasked.seq_id})
     spec.from_lookup.add(on_lookup.seq_id)
     spec.lookup_over_draft.add(on_lookup.seq_id)  # the draft had one, lookup's looked better: no miss
-    results.count_outcomes(StepPlan(decodes=[(s, 0) for s in (hit, late, wrong, plain, on_lookup)]), draft_up=True)
+    tries = spec.match_odds.tries
+    results.count_outcomes(StepPlan(decodes=[(s, 0) for s in (hit, late, wrong, plain, on_lookup, unasked)]),
+                           draft_up=True)
 
-    assert _value(metrics, "tandem:pipeline_lookups_total") == 3
+    assert _value(metrics, "tandem:pipeline_lookups_total") == 4
     assert _value(metrics, "tandem:pipeline_hits_total") == 1
     assert _value(metrics, "tandem:pipeline_misses_total", reason="late") == 1
     assert _value(metrics, "tandem:pipeline_misses_total", reason="wrong") == 1
+    assert _value(metrics, "tandem:pipeline_misses_total", reason="unasked") == 1
     assert _value(metrics, "tandem:lookup_proposals_total") == 1
-    assert (hit.stats.pipeline["hit"], late.stats.pipeline["late"], wrong.stats.pipeline["wrong"]) == (1, 1, 1)
+    assert (hit.stats.pipeline["hit"], late.stats.pipeline["late"], wrong.stats.pipeline["wrong"],
+            unasked.stats.pipeline["unasked"]) == (1, 1, 1, 1)
+    assert spec.match_odds.tries == pytest.approx(0.95 ** 2 * tries + 0.95 + 1), \
+        "the hit and the wrong guess say how often branches name the outcome; late and unasked say nothing"
 
     results.count_outcomes(StepPlan(decodes=[(hit, 2)]), draft_up=False)
-    assert _value(metrics, "tandem:pipeline_lookups_total") == 3, "no draft, no pipeline to score"
+    assert _value(metrics, "tandem:pipeline_lookups_total") == 4, "no draft, no pipeline to score"
 
 
 def test_lookup_s_estimate_passed_over_for_the_draft_s_proposals_drifts_back_instead_of_freezing():
