@@ -37,7 +37,8 @@ class Speculator:
         self.draft_acceptance = AcceptancePool()  # new sequences' priors, for the draft's proposals
         self.lookup_acceptance = AcceptancePool.for_lookup()  # ... and for prompt lookup's
         self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
-        self.late: set[int] = set()  # decoders without a proposal: the draft had prepared nothing for them yet
+        # decoders that found nothing prepared for their outcome: seq_id -> why (miss_kind: late or unasked)
+        self.late: dict[int, str] = {}
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
@@ -141,7 +142,7 @@ class Speculator:
         """The draft's prepared proposal for seq's history and prompt lookup's; a sequence the draft had
         prepared nothing for yet is late."""
         if not self.prepared_for_outcome(seq):
-            self.late.add(seq.seq_id)
+            self.late[seq.seq_id] = self.miss_kind(seq)  # now: the outcome's call may land during the step
         return self.proposal(seq), self.lookup(seq)
 
     def _match(self, seq: Sequence, k: int, offers: tuple[Proposal, Proposal], by_lookup: bool) -> int:
@@ -149,7 +150,7 @@ class Speculator:
         seq.next_k = k
         drafted, looked = offers
         if drafted[0]:
-            self.late.discard(seq.seq_id)
+            self.late.pop(seq.seq_id, None)
         chosen = looked if by_lookup and k > 0 else drafted
         self.matched[seq.seq_id] = chosen
         if chosen is looked:
@@ -174,10 +175,11 @@ class Speculator:
 
     @staticmethod
     def miss_kind(seq: Sequence) -> str:
-        """Why seq found no prepared proposal continuing its history: wrong (the draft prepared branches
-        for this outcome and none matched), late (it was asked, or busy with an earlier call, and had
-        not answered) or unasked (the router asked it for nothing here: resting for a probe, the
-        sequence kept to prompt lookup, branches not worth their slowdown of the target)."""
+        """Why seq finds no prepared proposal continuing its history, asked while its step is planned:
+        wrong (the draft prepared branches for this outcome and none matched), late (it was asked, or
+        busy with an earlier call, and has not answered) or unasked (the router asked it for nothing
+        here: resting for a probe, the sequence kept to prompt lookup, branches not worth their
+        slowdown of the target)."""
         if Speculator.prepared_for_outcome(seq):
             return "wrong"
         return "late" if 0 <= seq.asked_at == seq.outcome_start else "unasked"
@@ -230,7 +232,7 @@ class Speculator:
             return self.filled[seq.seq_id]
         if seq.seq_id in self.from_draft:
             return "hit"
-        return self.miss_kind(seq) if seq.seq_id in self.late else "wrong"
+        return self.late.get(seq.seq_id, "wrong")
 
     def new_step(self, upfront: set[int] | None = None) -> None:
         self.drafted_upfront = upfront or set()

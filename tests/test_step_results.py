@@ -75,7 +75,8 @@ def test_each_decoder_that_wanted_drafts_is_a_pipeline_hit_late_wrong_or_unasked
         seq.outcome_start = 3
     late.asked_at, unasked.asked_at = 3, 1  # unasked: the last call for it was two outcomes ago
     spec.from_draft.add(hit.seq_id)
-    spec.late.update({late.seq_id, unasked.seq_id})
+    for seq in (late, unasked):  # nothing prepared for their outcomes when the step was planned
+        spec.late[seq.seq_id] = spec.miss_kind(seq)
     spec.from_lookup.add(on_lookup.seq_id)
     spec.lookup_over_draft.add(on_lookup.seq_id)  # the draft had one, lookup's looked better: no miss
     tries = spec.match_odds.tries
@@ -127,3 +128,20 @@ def test_lookup_s_estimate_passed_over_for_the_draft_s_proposals_drifts_back_ins
     else:
         raise AssertionError("lookup never verified again")
     assert seq.lookup_tracker.rate > frozen and spec.lookup_acceptance.pooled.rate > pool_low
+
+
+def test_a_miss_is_classified_when_its_step_is_planned_not_when_a_late_call_lands_during_it():
+    """The draft was asked for this outcome and had not answered when the step was planned: late,
+    even though its branches land while the step runs (then the outcome is prepared for, and asking
+    afterwards would call the miss wrong)."""
+    from router.speculation import Prepared
+
+    spec, metrics, _, results = _books()
+    seq = _seq(1, [1, 2, 3])
+    seq.outcome_start = seq.asked_at = 3
+    assert spec.choose_ks([seq], 0) and not spec.proposal(seq)[0], "nothing prepared: it runs on lookup or k = 0"
+    seq.next_k = 2
+    seq.prepared.append(Prepared(3, (7,), (8, 9)))  # the call lands during the step, for another outcome
+    results.count_outcomes(StepPlan(decodes=[(seq, 0)]), draft_up=True)
+    assert _value(metrics, "tandem:pipeline_misses_total", reason="late") == 1
+    assert _value(metrics, "tandem:pipeline_misses_total", reason="wrong") == 0
