@@ -32,8 +32,19 @@ def chaos(models_dir, tmp_path_factory):
               router_args=["--max-num-batched-tokens", "128", "--max-num-seqs", "32", "--draft-timeout", "2",
                            "--target-grace", "60"])
     s.start(timeout=120)
+    wait_for_draft(s)
     yield s
     s.stop()
+
+
+def wait_for_draft(stack: Stack, timeout: float = 120) -> None:
+    """Until the router has taken its draft into use: it serves without one while the draft starts, and
+    a fault injected into a draft still starting tests nothing (on a slower machine the first test
+    stopped the draft before it served, and the load finished before it did)."""
+    deadline = time.monotonic() + timeout
+    while "tandem:draft_available 1.0" not in httpx.get(f"{stack.url}/metrics", timeout=10).text:
+        assert time.monotonic() < deadline, f"the router did not take its draft into use within {timeout:.0f}s"
+        time.sleep(0.2)
 
 
 def complete(stack: Stack, prompt: list[int], n: int) -> httpx.Response:
