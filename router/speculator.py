@@ -38,7 +38,7 @@ class Speculator:
         self.lookup_acceptance = AcceptancePool.for_lookup()  # ... and for prompt lookup's
         self.matched: dict[int, Proposal] = {}  # this step's proposal per decoding sequence
         # decoders that found nothing prepared for their outcome: seq_id -> why (miss_kind: late or unasked)
-        self.late: dict[int, str] = {}
+        self.missed: dict[int, str] = {}
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
@@ -140,9 +140,9 @@ class Speculator:
 
     def _offers(self, seq: Sequence) -> tuple[Proposal, Proposal]:
         """The draft's prepared proposal for seq's history and prompt lookup's; a sequence the draft had
-        prepared nothing for yet is late."""
+        prepared nothing for yet is a miss (late or unasked)."""
         if not self.prepared_for_outcome(seq):
-            self.late[seq.seq_id] = self.miss_kind(seq)  # now: the outcome's call may land during the step
+            self.missed[seq.seq_id] = self.miss_kind(seq)  # now: the outcome's call may land during the step
         return self.proposal(seq), self.lookup(seq)
 
     def _match(self, seq: Sequence, k: int, offers: tuple[Proposal, Proposal], by_lookup: bool) -> int:
@@ -150,7 +150,7 @@ class Speculator:
         seq.next_k = k
         drafted, looked = offers
         if drafted[0]:
-            self.late.pop(seq.seq_id, None)
+            self.missed.pop(seq.seq_id, None)
         chosen = looked if by_lookup and k > 0 else drafted
         self.matched[seq.seq_id] = chosen
         if chosen is looked:
@@ -232,12 +232,12 @@ class Speculator:
             return self.filled[seq.seq_id]
         if seq.seq_id in self.from_draft:
             return "hit"
-        return self.late.get(seq.seq_id, "wrong")
+        return self.missed.get(seq.seq_id, "wrong")
 
     def new_step(self, upfront: set[int] | None = None) -> None:
         self.drafted_upfront = upfront or set()
         self.matched.clear()
-        self.late.clear()
+        self.missed.clear()
         self.from_draft.clear()
         self.from_lookup.clear()
         self.lookup_over_draft.clear()

@@ -76,7 +76,7 @@ def test_each_decoder_that_wanted_drafts_is_a_pipeline_hit_late_wrong_or_unasked
     late.asked_at, unasked.asked_at = 3, 1  # unasked: the last call for it was two outcomes ago
     spec.from_draft.add(hit.seq_id)
     for seq in (late, unasked):  # nothing prepared for their outcomes when the step was planned
-        spec.late[seq.seq_id] = spec.miss_kind(seq)
+        spec.missed[seq.seq_id] = spec.miss_kind(seq)
     spec.from_lookup.add(on_lookup.seq_id)
     spec.lookup_over_draft.add(on_lookup.seq_id)  # the draft had one, lookup's looked better: no miss
     tries = spec.match_odds.tries
