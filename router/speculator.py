@@ -141,8 +141,8 @@ class Speculator:
     def _offers(self, seq: Sequence) -> tuple[Proposal, Proposal]:
         """The draft's prepared proposal for seq's history and prompt lookup's; a sequence the draft had
         prepared nothing for yet is a miss (late or unasked)."""
-        if not self.prepared_for_outcome(seq):
-            self.missed[seq.seq_id] = self.miss_kind(seq)  # now: the outcome's call may land during the step
+        if (kind := self.miss_kind(seq)) != "wrong":  # now: the outcome's call may land during the step
+            self.missed[seq.seq_id] = kind
         return self.proposal(seq), self.lookup(seq)
 
     def _match(self, seq: Sequence, k: int, offers: tuple[Proposal, Proposal], by_lookup: bool) -> int:
