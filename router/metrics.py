@@ -66,8 +66,9 @@ class Metrics:
                                    "so their decoders find nothing prepared next step), by why: probe = resting to "
                                    "measure the target's speed with the draft idle (router.pacing), busy = still in "
                                    "a call, upfront = its decoders are drafted before the next step instead, down "
-                                   "= no draft to ask, regime = drafting was measured to make fewer tokens per ms "
-                                   "than prompt lookup alone at this load (router.regime)", ["reason"], registry=r)
+                                   "= no draft to ask, regime = drafting was measured to get less far through "
+                                   "the text per ms than prompt lookup alone at this load (router.regime)",
+                                   ["reason"], registry=r)
         self.pipeline_waits = Counter("tandem:pipeline_waits", "Steps that waited (at most what the proposals "
                                       "were worth) for a draft call about to land with them: arrived or timed_out "
                                       "(the step then ran without them)", ["outcome"], registry=r)

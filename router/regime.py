@@ -1,7 +1,7 @@
-"""Whether the draft model pays here at all, measured rather than modelled: the step loop's decode
-tokens per ms with the draft at work, against the same with the draft resting (prompt lookup alone),
-each tried in turn now and then. Resting, the draft does nothing, not even mirror prompts, and catches
-up when back at work. The step loop asks only where the draft shares the target's compute.
+"""Whether the draft model pays here at all, measured rather than modelled: the step loop's pace with
+the draft at work, against the same with the draft resting (prompt lookup alone), each tried in turn
+now and then. Resting, the draft does nothing, not even mirror prompts, and catches up when back at
+work. The step loop asks only where the draft shares the target's compute.
 
 The policy (spec_policy.choose_k, upfront, pacing) prices the draft's work from fitted models of what
 steps and calls cost. Where those miss, drafting can cost more than it yields and nothing in the
@@ -13,13 +13,18 @@ outcome instead, as a user's benchmark would:
     [ preferred ......... probe_after ][ the other, WINDOW ][ preferred ........ probe_after ][ ...
                       PAIRED steps ^^^  vs  ^^^ the probe's  vs  ^^^ PAIRED steps -> one paired sample
 
-Tokens per ms swing with the text (prompt lookup finds repeated blocks or none), so a probe is
-compared with the preferred regime's steps just before and just after it, on about the same requests,
-and the median of the last EVIDENCE paired samples decides: the preference turns when it favours the
+The pace is text per ms, the text counted in steps of prompt lookup alone (lookup_steps): a resting
+step is one; a drafting step is what lookup alone would have needed for the tokens it emitted, known
+from lookup's proposal for that history (passed over for the draft's) against the target's tokens.
+Tokens per ms, compared window against window, swung with the text (lookup finds repeated blocks or
+none): one load's samples read 0.3-1.8x (demo pair, shared cores), as a 16-step window at c = 1 is half
+a request. Counted this way the text's yield cancels within each drafting step, and what windows
+compare is what a step costs in each regime. A probe is still compared with the preferred regime's
+steps just before and just after it (drift in the machine's speed and the batch's contexts), and the
+median of the last EVIDENCE paired samples decides: the preference turns when it favours the
 other regime by MARGIN. Probes come PROBE_AFTER steps apart, and further (up to SPACED times) while
 the evidence is CLEAR: at least CLEAR_AFTER samples, the last one agreeing. One sample alone never
-spaces them out: at c = 1 a 16-step window is half a request, and samples of one load's steady truth
-read 0.3-1.8x (demo pair, shared cores). The first SETTLE steps of a run are not measured: proposals
+spaces them out. The first SETTLE steps of a run are not measured: proposals
 prepared before it still land in it, and a draft back at work first catches up on what it missed.
 
 A stack starts resting (PRIOR): a draft on the target's compute must be measured to pay, by the
@@ -46,6 +51,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from router.spec_policy import expected_tokens
+
 log = logging.getLogger(__name__)
 
 WINDOW = 16  # steps a probe of the other regime runs
@@ -62,9 +69,30 @@ SPACED = 8  # ... doubles the gap between probes with each sample, up to SPACED 
 PRIOR = False  # resting, until the draft is measured to pay
 
 
-def _per_ms(steps: list[tuple[int, float]]) -> float:
+def lookup_steps(emitted: list[int], looked: list[int], lookup_rate: float, finished: bool) -> float:
+    """How many steps prompt lookup alone would have taken to emit what a sequence emitted in a step that
+    verified another proposal (the draft's, or none): `looked` is lookup's proposal for the same history,
+    `lookup_rate` its acceptance, for what the target's tokens cannot tell.
+
+        emitted  a b c d      the target's tokens: three drafts accepted, then its own
+        looked   a b x y      lookup alone: a b accepted, the target's c  -> 3 tokens, 4/3 steps
+        looked   a b c d e    all four match: at least 4 accepted, e as likely as lookup's drafts are
+
+    Exact for greedy requests; for sampled ones lookup's guesses are taken as the target's draws would
+    have treated them. A step that finished the sequence needed no more than its tokens."""
+    m = len(emitted)
+    assert m > 0
+    matched = 0
+    while matched < min(m, len(looked)) and looked[matched] == emitted[matched]:
+        matched += 1
+    alone = matched + 1.0 if matched < m else m + expected_tokens(lookup_rate, len(looked) - m)
+    return m / (min(alone, m) if finished else alone)
+
+
+def _pace(steps: list[tuple[float, float]]) -> float:
+    """Text per ms, in steps of prompt lookup alone."""
     ms = sum(m for _, m in steps)
-    return sum(t for t, _ in steps) / ms if ms > 0 else 0.0
+    return sum(s for s, _ in steps) / ms if ms > 0 else 0.0
 
 
 @dataclass
@@ -75,22 +103,22 @@ class _Size:
     spacing: int = 1  # probes PROBE_AFTER * spacing steps apart
     own: int = 0  # samples this size measured (the rest came from the size before it)
     run: int = 0  # steps of the current run
-    before: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PAIRED))  # preferred: (tokens, ms)
-    probe: list[tuple[int, float]] = field(default_factory=list)  # the probe's measured steps
-    after: list[tuple[int, float]] | None = None  # preferred steps after a probe, until PAIRED of them
+    before: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=PAIRED))  # preferred: (steps, ms)
+    probe: list[tuple[float, float]] = field(default_factory=list)  # the probe's measured steps
+    after: list[tuple[float, float]] | None = None  # preferred steps after a probe, until PAIRED of them
 
     @property
     def evidence(self) -> float:
         return statistics.median(self.samples) if self.samples else 0.0
 
-    def add(self, tokens: int, ms: float) -> None:
+    def add(self, steps: float, ms: float) -> None:
         if self.current != self.prefer:
-            self.probe.append((tokens, ms))
+            self.probe.append((steps, ms))
             return
         if self.after is None:
-            self.before.append((tokens, ms))
+            self.before.append((steps, ms))
             return
-        self.after.append((tokens, ms))
+        self.after.append((steps, ms))
         if len(self.after) >= PAIRED:
             self._paired()
 
@@ -106,9 +134,9 @@ class _Size:
 
     def _paired(self) -> None:
         """One sample: the probe against the preferred regime's steps around it (before and after cancel
-        a drift in the text's yield)."""
+        a drift in the machine's speed and the batch's contexts)."""
         assert self.after is not None
-        around, probe = _per_ms(list(self.before) + self.after), _per_ms(self.probe)
+        around, probe = _pace(list(self.before) + self.after), _pace(self.probe)
         self.before.extend(self.after)
         self.after = None
         if probe <= 0 or around <= 0:
@@ -123,7 +151,7 @@ class _Size:
         if len(self.samples) >= TURN_AFTER and abs(evidence) > math.log(1 + MARGIN) and (evidence < 0) != self.prefer:
             self.prefer = evidence < 0
             self.current, self.run, self.before = self.prefer, 0, deque(maxlen=PAIRED)
-            log.info("draft regime: %s (tokens per ms resting / drafting %.3f, median of %d probes)",
+            log.info("draft regime: %s (pace resting / drafting %.3f, median of %d probes)",
                      "drafting" if self.prefer else "the draft rests, prompt lookup alone", math.exp(evidence),
                      len(self.samples))
 
@@ -164,9 +192,10 @@ class DraftRegime:
         """The next step is decided elsewhere (no draft, a seeded request): it is not a sample."""
         self._measured = None
 
-    def observe(self, tokens: int, ms: float) -> None:
-        """The step drafting() decided last: the tokens its decoders emitted and the loop's time for it
-        (ms, prompt chunks' own share taken out). Only settled steps with decoders count."""
+    def observe(self, steps: float, ms: float) -> None:
+        """The step drafting() decided last: how far its decoders got, in steps of prompt lookup alone
+        (1 resting; lookup_steps, averaged over them, drafting; 0 without decoders), and the loop's time
+        for it (ms, prompt chunks' own share taken out). Only settled steps with decoders count."""
         size, self._measured = self._measured, None
-        if size is not None and tokens > 0 and ms > 0:
-            size.add(tokens, ms)
+        if size is not None and steps > 0 and ms > 0:
+            size.add(steps, ms)

@@ -1,6 +1,6 @@
 """What a finished step tells the router: its parts' times for /metrics, what it cost for the
-speculator's models, and the decoders' share for the draft regime (router.regime), which the step
-loop feeds. Also what an unchained step's router+RPC part costs (chain.lookup_beats_chaining).
+speculator's models, and how far its decoders got in how long for the draft regime (router.regime),
+which the step loop feeds. Also what an unchained step's router+RPC part costs (chain.lookup_beats_chaining).
 
     t_start ........ t_target ............. answered ....... now
     | router, draft  | target (wall, RPC in)  | apply, book   |     total = now - t_start
@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from router.metrics import Metrics
+from router.regime import lookup_steps
 from router.scheduler import StepPlan
 from router.speculator import Speculator
 from tandem.v1 import target_pb2
@@ -33,9 +34,9 @@ class StepRecorder:
                 lambda pool=pool: pool.pooled.rate)
 
     def record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
-               t_start: float, draft_busy: bool, chained: bool) -> tuple[int, float]:
-        """Book one step; returns what its decoders emitted and the loop's ms for them (prompt chunks'
-        own share taken out), the draft regime's sample."""
+               t_start: float, draft_busy: bool, chained: bool) -> float:
+        """Book one step; returns the loop's ms for its decoders (prompt chunks' own share taken out), the
+        draft regime's sample with lookup_steps."""
         tokens = plan.num_tokens
         self.spec.observe_step(plan, target_wall_ms, draft_busy)  # wall time, RPC included: like the draft's
         self._tokens.observe(tokens)
@@ -47,7 +48,21 @@ class StepRecorder:
         self._parts["router"].observe(router_ms / 1000)
         if not chained:  # what waiting for an answer costs (lookup_beats_chaining)
             self.round_trip_ms += 0.05 * (router_ms - self.round_trip_ms)
-        decoders = {s.seq_id for s, _ in plan.decodes}
-        emitted = sum(len(r.tokens) for r in response.results if r.seq_id in decoders)
         prompt_tokens = sum(c.end - c.start for c in plan.chunks)
-        return emitted, total_ms - self.spec.cost.beta * prompt_tokens
+        return total_ms - self.spec.cost.beta * prompt_tokens
+
+    def lookup_steps(self, plan: StepPlan, response: target_pb2.StepResponse) -> float:
+        """How far the step's decoders got, in steps of prompt lookup alone (router.regime.lookup_steps),
+        averaged over them (they step together); 0 without decoders: the draft regime's sample, with
+        record's ms. A decoder that verified lookup's proposal, or nothing (k = 0, as resting it would
+        have too), made one such step. Read from this step's books, before a chained step's replace them."""
+        if not plan.decodes:
+            return 0.0
+        spec, steps = self.spec, 0.0
+        for (seq, _), res in zip(plan.decodes, response.results, strict=False):
+            looked = spec.lookup_passed.get(seq.seq_id)
+            if seq.seq_id in spec.from_lookup or seq.next_k <= 0:
+                steps += 1.0
+            else:
+                steps += lookup_steps(list(res.tokens), looked or [], seq.lookup_tracker.rate, seq.finished)
+        return steps / len(plan.decodes)

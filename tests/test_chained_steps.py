@@ -268,8 +268,9 @@ def test_each_step_is_timed_from_where_the_one_before_ended(model_pair, monkeypa
     intervals: list[tuple[float, float]] = []
     record = StepLoop._record
 
-    def timed(loop: StepLoop, plan, response, draft_ms, target_wall_ms, t_start, draft_busy, chained) -> None:
-        record(loop, plan, response, draft_ms, target_wall_ms, t_start, draft_busy, chained)
+    def timed(loop: StepLoop, plan, response, draft_ms, target_wall_ms, t_start, draft_busy, chained,
+              progress) -> None:
+        record(loop, plan, response, draft_ms, target_wall_ms, t_start, draft_busy, chained, progress)
         intervals.append((t_start, time.perf_counter()))
 
     monkeypatch.setattr(StepLoop, "_record", timed)

@@ -145,3 +145,24 @@ def test_a_miss_is_classified_when_its_step_is_planned_not_when_a_late_call_land
     results.count_outcomes(StepPlan(decodes=[(seq, 0)]), draft_up=True)
     assert _value(metrics, "tandem:pipeline_misses_total", reason="late") == 1
     assert _value(metrics, "tandem:pipeline_misses_total", reason="wrong") == 0
+
+
+def test_the_regime_s_progress_counts_each_decoder_in_steps_of_prompt_lookup_alone():
+    """A decoder that verified the draft's proposal got as far as lookup alone would have in
+    lookup_steps (its passed-over proposal against the target's tokens); one that verified lookup's,
+    or nothing at k = 0, made one step. The step's progress is their mean (they step together)."""
+    from router.step_record import StepRecorder
+
+    spec, metrics, _, _ = _books()
+    recorder = StepRecorder(spec, metrics, "r0")
+    drafted, looked, plain = _seq(1, [5, 6, 7]), _seq(2, [8, 9, 8, 9]), _seq(3, [1, 2])
+    drafted.next_k, looked.next_k, plain.next_k = 3, 2, 0
+    spec.lookup_passed[drafted.seq_id] = [10, 11, 99]  # lookup alone: 10 11 accepted, then the target's 12
+    spec.from_lookup.add(looked.seq_id)
+    plan = StepPlan(decodes=[(drafted, 3), (looked, 2), (plain, 0)])
+    response = target_pb2.StepResponse(results=[
+        target_pb2.EntryResult(seq_id=1, tokens=[10, 11, 12, 13], num_accepted=3),
+        target_pb2.EntryResult(seq_id=2, tokens=[8, 9, 4], num_accepted=2),
+        target_pb2.EntryResult(seq_id=3, tokens=[3])])
+    assert recorder.lookup_steps(plan, response) == pytest.approx((4 / 3 + 1 + 1) / 3)
+    assert recorder.lookup_steps(StepPlan(chunks=[Chunk(plain, 0, 2)]), target_pb2.StepResponse()) == 0.0
