@@ -94,8 +94,9 @@ def run_mode(mode: str, models: Path, system: str, conversations: list[list[str]
         return d.get(f'{name}{{service="{service}"}}' if service else name, 0.0)
 
     drafted = get("tandem:spec_decode_num_draft_tokens_total")
-    rates = {s: get("tandem:prefix_cache_hits_total", s) / max(1.0, get("tandem:prefix_cache_queries_total", s))
-             for s in ("target", "draft")}
+    # no queries (a draft that rested through the workload on shared cores, router/regime.py): nothing measured
+    rates = {s: get("tandem:prefix_cache_hits_total", s) / queries
+             if (queries := get("tandem:prefix_cache_queries_total", s)) else float("nan") for s in ("target", "draft")}
     return ModeResult(
         mode, statistics.median(t.ttft for t in turns), statistics.median(t.ttft for t in turns if t.turn > 1),
         len(turns) * shape.reply_tokens / wall,

@@ -67,6 +67,10 @@ def test_multiturn_figures_compare_caching_against_none() -> None:
     assert figs["multi-turn: prefix-cache hit rate with caching, draft"].status == "pass"
     slow = _by_what(feature_figures(_multiturn(ttft_on=0.1)))["multi-turn: TTFT p50, prefix caching / none"]
     assert slow.status == "MISSED" and "MISSED by 0.20x" in slow.verdict()
+    resting = _multiturn()
+    resting["results"]["modes"]["prefix caching"]["hit_rate"]["draft"] = None  # no queries: saved NaN reads as null
+    rested = _by_what(feature_figures(resting))["multi-turn: prefix-cache hit rate with caching, draft"]
+    assert rested.status == "n/a" and "no prefix-cache queries" in rested.detail
     no_drafts = _by_what(feature_figures(_multiturn(acc_on=None)))  # saved NaN reads back as null
     assert no_drafts["multi-turn: acceptance, |with - without prefix caching|"].status == "n/a"
     assert features.problems([_multiturn(answers="DIFFERENT")]) == [
