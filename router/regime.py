@@ -78,8 +78,9 @@ def lookup_steps(emitted: list[int], looked: list[int], lookup_rate: float, fini
         looked   a b x y      lookup alone: a b accepted, the target's c  -> 3 tokens, 4/3 steps
         looked   a b c d e    all four match: at least 4 accepted, e as likely as lookup's drafts are
 
-    Exact for greedy requests; for sampled ones lookup's guesses are taken as the target's draws would
-    have treated them. A step that finished the sequence needed no more than its tokens."""
+    Exact for greedy requests; for sampled ones a guess counts as accepted where it equals the target's
+    draw (rejection sampling would accept it at the target's probability of it: an approximation). A
+    step that finished the sequence needed no more than its tokens."""
     m = len(emitted)
     assert m > 0
     matched = 0

@@ -61,7 +61,7 @@ class StepRecorder:
         spec, steps = self.spec, 0.0
         for (seq, _), res in zip(plan.decodes, response.results, strict=False):
             looked = spec.lookup_passed.get(seq.seq_id)
-            if seq.seq_id in spec.from_lookup or seq.next_k <= 0:
+            if seq.seq_id in spec.from_lookup or seq.next_k <= 0 or not res.tokens:
                 steps += 1.0
             else:
                 steps += lookup_steps(list(res.tokens), looked or [], seq.lookup_tracker.rate, seq.finished)

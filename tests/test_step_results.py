@@ -166,3 +166,5 @@ def test_the_regime_s_progress_counts_each_decoder_in_steps_of_prompt_lookup_alo
         target_pb2.EntryResult(seq_id=3, tokens=[3])])
     assert recorder.lookup_steps(plan, response) == pytest.approx((4 / 3 + 1 + 1) / 3)
     assert recorder.lookup_steps(StepPlan(chunks=[Chunk(plain, 0, 2)]), target_pb2.StepResponse()) == 0.0
+    empty = target_pb2.StepResponse(results=[target_pb2.EntryResult(seq_id=1)])
+    assert recorder.lookup_steps(StepPlan(decodes=[(drafted, 3)]), empty) == 1.0, "no tokens: one step, no crash"
