@@ -195,12 +195,13 @@ def multiturn_figures(entry: dict) -> list[Figure]:
     for service in ("target", "draft"):
         hit_on = _num(on.get("hit_rate", {}).get(service))
         hit_off = _num(off.get("hit_rate", {}).get(service))
-        off_text = "no queries" if math.isnan(hit_off) else _f(hit_off)
-        detail = (f"without caching {off_text}; attach misses (both services) "
-                  f"{_f(_num(on.get('attach_misses')), '{:.0f}')}")
         if math.isnan(hit_on):
             detail = f"no prefix-cache queries with caching: the {service} did no prompt work (a draft resting " \
                      "through the workload, router/regime.py)"
+        else:
+            off_text = "no queries" if math.isnan(hit_off) else _f(hit_off)
+            detail = (f"without caching {off_text}; attach misses (both services) "
+                      f"{_f(_num(on.get('attach_misses')), '{:.0f}')}")
         specs.append((f"multi-turn: prefix-cache hit rate with caching, {service}", hit_on, ">", 0.0, "rate", detail))
     return _feature(entry, "#17", specs)
 

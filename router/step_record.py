@@ -59,10 +59,10 @@ class StepRecorder:
         if not plan.decodes:
             return 0.0
         spec, steps = self.spec, 0.0
-        for (seq, _), res in zip(plan.decodes, response.results, strict=False):
-            looked = spec.lookup_passed.get(seq.seq_id)
-            if seq.seq_id in spec.from_lookup or seq.next_k <= 0 or not res.tokens:
+        for (seq, k), res in zip(plan.decodes, response.results, strict=False):
+            if seq.seq_id in spec.from_lookup or k == 0 or not res.tokens:
                 steps += 1.0
             else:
-                steps += lookup_steps(list(res.tokens), looked or [], seq.lookup_tracker.rate, seq.finished)
+                steps += lookup_steps(list(res.tokens), spec.lookup_passed.get(seq.seq_id, []),
+                                      seq.lookup_tracker.rate, seq.finished)
         return steps / len(plan.decodes)
