@@ -158,6 +158,11 @@ def same_or_ties(on: list[Turn], off: list[Turn], diffs: list[dict]) -> str:
     return "near-ties" if all(d.get("verdict", {}).get("tie") for d in diffs) else "DIFFERENT"
 
 
+def _rate(x: float) -> str:
+    """A rate for the printed table: n/a where nothing was counted (NaN: no drafts verified, no queries)."""
+    return "n/a" if math.isnan(x) else f"{x:.2f}"
+
+
 def report(results: list[ModeResult], shape: Shape, diffs: list[dict]) -> tuple[str, bool]:
     on, off = results
     rows = [f"multi-turn chat: {shape.conversations} conversations x {shape.turns} turns, {shape.concurrency} at a "
@@ -167,7 +172,7 @@ def report(results: list[ModeResult], shape: Shape, diffs: list[dict]) -> tuple[
             f"{'hit draft':>11}{'misses':>8}"]
     for r in results:
         rows.append(f"{r.mode:<20}{r.ttft_p50 * 1e3:>8.0f}ms{r.ttft_p50_later * 1e3:>8.0f}ms{r.tokens_per_s:>8.1f}"
-                    f"{r.acceptance:>8.2f}{r.hit_rate['target']:>12.2f}{r.hit_rate['draft']:>11.2f}"
+                    f"{_rate(r.acceptance):>8}{_rate(r.hit_rate['target']):>12}{_rate(r.hit_rate['draft']):>11}"
                     f"{r.attach_misses:>8.0f}")
     same = same_or_ties(on.turns, off.turns, diffs)
     checks = {

@@ -93,3 +93,15 @@ def test_the_last_turn_as_the_router_renders_it_leaves_room_for_its_answer(model
                     answer = tok.decode([rng.randrange(tok.get_vocab_size()) for _ in range(shape.reply_tokens)])
                     messages.append(("assistant", answer))
             assert len(tok.encode(chat.render(messages)).ids) + shape.reply_tokens <= 512
+
+
+def test_the_printed_report_says_n_a_where_a_service_had_no_queries():
+    shape = shape_for(512, quick=True)
+    turns = [Turn(0, 1, 0.02, 1.0, "a")]
+    nan = float("nan")
+    on = ModeResult("prefix caching", 0.02, 0.02, 100.0, 0.5, {"target": 0.75, "draft": nan}, 0, turns)
+    off = ModeResult("no prefix caching", 0.1, 0.1, 100.0, 0.5, {"target": nan, "draft": nan}, 0, turns)
+    text, _ = report([on, off], shape, [])
+    assert "nan" not in text
+    on_row = next(line for line in text.splitlines() if line.startswith("prefix caching"))
+    assert on_row.split()[-3:] == ["0.75", "n/a", "0"]
