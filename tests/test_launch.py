@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from router.stack import _http_ok, free_port, free_ports, stack_ports
+from router.stack import Stack, _http_ok, free_port, free_ports, stack_ports
 
 
 def _get(url: str) -> dict:
@@ -46,6 +46,10 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
         base = f"http://127.0.0.1:{port}"
         assert [m["id"] for m in _get(f"{base}/v1/models")["data"]] == [pair.name], "named after the pair directory"
         assert f'"model": "{pair.name}"' in out, "the printed examples work as printed"
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:  # noqa: S310 - loopback
+            up = [line for line in r.read().decode().splitlines() if line.startswith("tandem:replica_up")]
+        assert any('service="draft"' in line and line.endswith(" 1.0") for line in up), \
+            f"the draft serves when the stack says it is ready: {up}"
         done = _post(f"{base}/v1/completions", {"model": pair.name, "prompt": "hello", "max_tokens": 8,
                                                 "temperature": 0})
         assert done["usage"]["completion_tokens"] == 8
@@ -53,10 +57,25 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
         assert proc.wait(60) == 0
         stderr = Path(err.name).read_text()
         assert "installed below its quality gates (chat acceptance at k=4 0.092" in stderr
+        assert "unavailable" not in stderr, "the router started after the draft served: no refused connection"
     finally:
         if proc.poll() is None:
             proc.kill()
         report.unlink()
+
+
+def test_a_draft_that_does_not_start_leaves_the_stack_serving_without_it(model_pair, tmp_path, capfd):
+    target_dir, _ = model_pair
+    stack = Stack(target_dir, tmp_path / "no-such-draft", served_model_name="pair", log_dir=tmp_path, **stack_ports())
+    try:
+        stack.start(timeout=120)
+        assert stack.procs["draft"].poll() not in (None, 0), "the draft exited: its model directory is missing"
+        assert "draft exited with code" in capfd.readouterr().err
+        done = _post(f"{stack.url}/v1/completions", {"model": "pair", "prompt": "hello", "max_tokens": 8,
+                                                     "temperature": 0})
+        assert done["usage"]["completion_tokens"] == 8, "served at k = 0 without its draft"
+    finally:
+        stack.stop()
 
 
 def test_ports_asked_together_are_distinct_and_free():
