@@ -4,6 +4,7 @@ after the pair, warning about a pair installed below its gates, stopped cleanly 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -59,8 +60,8 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
         assert "installed below its quality gates (chat acceptance at k=4 0.092" in stderr
         assert "unavailable" not in stderr, "the router started after the draft served: no refused connection"
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # a failed assertion: the launcher's three children go with it
+            os.killpg(proc.pid, signal.SIGKILL)
         report.unlink()
 
 
