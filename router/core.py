@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from common.sampling import InvalidField, SamplingParams
-from router.lookup import PromptLookup
+from router.lookup import LookupShadow, PromptLookup
 from router.prefix import SeqPrefix
 from router.request_stats import RequestStats
 from router.spec_policy import AcceptanceTracker
@@ -128,6 +128,7 @@ class Sequence:
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of the draft's proposals
     lookup_tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of prompt-lookup proposals
     lookup: PromptLookup = field(default_factory=PromptLookup)  # n-grams of the history (prompt lookup)
+    lookup_shadow: LookupShadow | None = None  # lookup alone replayed over its output (router.regime's unit)
     next_k: int = 0  # desired k for this sequence's next proposal
     num_preemptions: int = 0
     stats: RequestStats = field(default_factory=RequestStats)  # its timeline and speculation figures

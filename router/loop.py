@@ -298,13 +298,13 @@ class StepLoop:
         self.results.count_outcomes(plan, self.draft.up)
         if trace is not None:
             trace.end(plan, sent, response, self.spec, self.draft.up)
-        progress = self.recorder.lookup_steps(plan, response)
+        progress = self.recorder.lookup_steps(plan, response, self.regime.measuring)
         if self._chained is not None:  # the target runs it now: the draft's work for its outcomes goes first
             self._begin_chained(self._chained)
         self._record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy, chained, progress)
 
     def _record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
-                t_start: float, draft_busy: bool, chained: bool, progress: float) -> None:
+                t_start: float, draft_busy: bool, chained: bool, progress: float | None) -> None:
         self.steps += 1
         self.regime.observe(progress, self.recorder.record(plan, response, draft_ms, target_wall_ms, t_start,
                                                            draft_busy, chained))

@@ -13,16 +13,18 @@ outcome instead, as a user's benchmark would:
     [ preferred ......... probe_after ][ the other, WINDOW ][ preferred ........ probe_after ][ ...
                       PAIRED steps ^^^  vs  ^^^ the probe's  vs  ^^^ PAIRED steps -> one paired sample
 
-The pace is text per ms, the text counted in steps of prompt lookup alone (lookup_steps): a resting
-step is one; a drafting step is what lookup alone would have needed for the tokens it emitted, known
-from lookup's proposal for that history (passed over for the draft's) against the target's tokens.
-Tokens per ms, compared window against window, swung with the text (lookup finds repeated blocks or
-none): one load's samples read 0.3-1.8x (demo pair, shared cores), as a 16-step window at c = 1 is half
-a request. Counted this way the text's yield cancels within each drafting step, and what windows
-compare is what a step costs in each regime. A probe is still compared with the preferred regime's
-steps just before and just after it (drift in the machine's speed and the batch's contexts), and the
-median of the last EVIDENCE paired samples decides: the preference turns when it favours the
-other regime by MARGIN. Probes come PROBE_AFTER steps apart, and further (up to SPACED times) while
+The pace is text per ms, the text counted in steps of prompt lookup alone: each sequence's output
+replayed through lookup alone as it grows (router.lookup.LookupShadow), in both regimes. Tokens per
+ms, compared window against window, swung with the text (lookup finds repeated blocks or none): one
+load's samples read 0.3-1.8x (demo pair, shared cores), as a 16-step window at c = 1 is half a
+request. Counted this way the text's yield cancels, and what windows compare is what a step costs in
+each regime. (Estimated per drafting step from lookup's one proposal at its start, the count read
+1.15x the replayed one on the demo pair's prompts, 0.89-1.41x per prompt: drafting was credited with
+steps lookup alone would not have needed, and on two shared cores the regime drafted at c = 4 and 16
+where lookup alone (7) made 1.05-1.28x the defaults' tokens per second.) A probe is still compared
+with the preferred regime's steps just before and just after it (drift in the machine's speed and the
+batch's contexts), and the median of the last EVIDENCE paired samples decides: the preference turns
+when it favours the other regime by MARGIN. Probes come PROBE_AFTER steps apart, and further (up to SPACED times) while
 the evidence is CLEAR: at least CLEAR_AFTER samples, the last one agreeing. One sample alone never
 spaces them out. The first SETTLE steps of a run are not measured: proposals
 prepared before it still land in it, and a draft back at work first catches up on what it missed.
@@ -51,8 +53,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from router.spec_policy import expected_tokens
-
 log = logging.getLogger(__name__)
 
 WINDOW = 16  # steps a probe of the other regime runs
@@ -67,27 +67,6 @@ CLEAR = math.log(1.2)  # evidence this clear (the median of CLEAR_AFTER samples 
 CLEAR_AFTER = 3
 SPACED = 8  # ... doubles the gap between probes with each sample, up to SPACED * PROBE_AFTER
 PRIOR = False  # resting, until the draft is measured to pay
-
-
-def lookup_steps(emitted: list[int], looked: list[int], lookup_rate: float, finished: bool) -> float:
-    """How many steps prompt lookup alone would have taken to emit what a sequence emitted in a step that
-    verified another proposal (the draft's, or none): `looked` is lookup's proposal for the same history,
-    `lookup_rate` its acceptance, for what the target's tokens cannot tell.
-
-        emitted  a b c d      the target's tokens: three drafts accepted, then its own
-        looked   a b x y      lookup alone: a b accepted, the target's c  -> 3 tokens, 4/3 steps
-        looked   a b c d e    all four match: at least 4 accepted, e as likely as lookup's drafts are
-
-    Exact for greedy requests; for sampled ones a guess counts as accepted where it equals the target's
-    draw (rejection sampling would accept it at the target's probability of it: an approximation). A
-    step that finished the sequence needed no more than its tokens."""
-    m = len(emitted)
-    assert m > 0
-    matched = 0
-    while matched < min(m, len(looked)) and looked[matched] == emitted[matched]:
-        matched += 1
-    alone = matched + 1.0 if matched < m else m + expected_tokens(lookup_rate, len(looked) - m)
-    return m / (min(alone, m) if finished else alone)
 
 
 def _pace(steps: list[tuple[float, float]]) -> float:
@@ -189,14 +168,20 @@ class DraftRegime:
         self._measured = size if size.run > SETTLE else None
         return size.current
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the step drafting() decided last is a sample (settled, in a size's run)."""
+        return self._measured is not None
+
     def unmeasured(self) -> None:
         """The next step is decided elsewhere (no draft, a seeded request): it is not a sample."""
         self._measured = None
 
-    def observe(self, steps: float, ms: float) -> None:
+    def observe(self, steps: float | None, ms: float) -> None:
         """The step drafting() decided last: how far its decoders got, in steps of prompt lookup alone
-        (1 resting; lookup_steps, averaged over them, drafting; 0 without decoders), and the loop's time
-        for it (ms, prompt chunks' own share taken out). Only settled steps with decoders count."""
+        (the replays' steps it resolved, averaged over them: maybe 0, a replay waits for the tokens that
+        resolve its step; None without decoders), and the loop's time for it (ms, prompt chunks' own
+        share taken out). Only settled steps with decoders count."""
         size, self._measured = self._measured, None
-        if size is not None and steps > 0 and ms > 0:
+        if size is not None and steps is not None and ms > 0:
             size.add(steps, ms)

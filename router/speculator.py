@@ -42,8 +42,7 @@ class Speculator:
         self.from_draft: set[int] = set()  # decoders whose proposal the draft prepared (pipeline hits)
         self.from_lookup: set[int] = set()  # ... and those that took a prompt-lookup proposal instead
         self.lookup_over_draft: set[int] = set()  # ... although the draft had a proposal for them (not a miss)
-        # decoders that had a prompt-lookup proposal and verified another: seq_id -> lookup's drafts (capped)
-        self.lookup_passed: dict[int, list[int]] = {}
+        self.lookup_passed: set[int] = set()  # decoders that had a prompt-lookup proposal and verified another
         self.filled: dict[int, str] = {}  # decoders whose miss (late / wrong) a plain proposal filled (upfront.py)
         self.drafted_upfront: set[int] = set()  # decoders whose proposals were drafted before this step (upfront.py)
         draft.on_cost = self._observe_draft
@@ -161,7 +160,7 @@ class Speculator:
         elif drafted[0]:
             self.from_draft.add(seq.seq_id)
         if looked[0] and chosen is not looked:
-            self.lookup_passed[seq.seq_id] = looked[0][:self.cap(seq)]
+            self.lookup_passed.add(seq.seq_id)
         return min(k, len(chosen[0]))
 
     def decoding(self) -> list[Sequence]:

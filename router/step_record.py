@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
+from router.lookup import LookupShadow
 from router.metrics import Metrics
-from router.regime import lookup_steps
 from router.scheduler import StepPlan
 from router.speculator import Speculator
 from tandem.v1 import target_pb2
@@ -51,18 +51,22 @@ class StepRecorder:
         prompt_tokens = sum(c.end - c.start for c in plan.chunks)
         return total_ms - self.spec.cost.beta * prompt_tokens
 
-    def lookup_steps(self, plan: StepPlan, response: target_pb2.StepResponse) -> float:
-        """How far the step's decoders got, in steps of prompt lookup alone (router.regime.lookup_steps),
-        averaged over them (they step together); 0 without decoders: the draft regime's sample, with
-        record's ms. A decoder that verified lookup's proposal, or nothing (k = 0, as resting it would
-        have too), made one such step. Read from this step's books, before a chained step's replace them."""
+    def lookup_steps(self, plan: StepPlan, response: target_pb2.StepResponse, measured: bool) -> float | None:
+        """How far the step's decoders got, in steps of prompt lookup alone (router.lookup.LookupShadow,
+        replayed over each one's text at k_max), averaged over them (they step together): the draft
+        regime's sample, with record's ms. None without decoders, or where the regime does not measure
+        the step (the replays start again after it). The replay resolves a step once the text shows
+        where lookup's guesses stop matching, so a step may resolve none and the next more."""
+        if not measured:
+            for seq, _ in plan.decodes:
+                if seq.lookup_shadow is not None:
+                    seq.lookup_shadow.restart(len(seq.tokens))
+            return None
         if not plan.decodes:
-            return 0.0
-        spec, steps = self.spec, 0.0
-        for (seq, k), res in zip(plan.decodes, response.results, strict=False):
-            if seq.seq_id in spec.from_lookup or k == 0 or not res.tokens:
-                steps += 1.0
-            else:
-                steps += lookup_steps(list(res.tokens), spec.lookup_passed.get(seq.seq_id, []),
-                                      seq.lookup_tracker.rate, seq.finished)
+            return None
+        k, steps = max(1, self.spec.k_max), 0
+        for (seq, _), res in zip(plan.decodes, response.results, strict=False):
+            if seq.lookup_shadow is None:  # its first decode: the replay starts where this step's tokens do
+                seq.lookup_shadow = LookupShadow(k, max(0, len(seq.tokens) - len(res.tokens)))
+            steps += seq.lookup_shadow.advance(seq.tokens, seq.finished)
         return steps / len(plan.decodes)

@@ -1,17 +1,16 @@
 """Whether the draft works at all (router.regime): resting until drafting is measured to get further
 through the text per ms, each regime tried again now and then (less often while the evidence is
-clear), per size of load. Progress counts in steps of prompt lookup alone (lookup_steps), so the
-text's yield cancels within a drafting step."""
+clear), per size of load. Progress counts in steps of prompt lookup alone (LookupShadow replays it
+over the text), so the text's yield cancels."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
 
-import pytest
-
 from router.config import RouterConfig
-from router.regime import FIRST_PROBE, MARGIN, PAIRED, PROBE_AFTER, SETTLE, SPACED, WINDOW, DraftRegime, lookup_steps
+from router.lookup import LookupShadow, PromptLookup
+from router.regime import FIRST_PROBE, MARGIN, PAIRED, PROBE_AFTER, SETTLE, SPACED, WINDOW, DraftRegime
 from tests.conftest import hf_greedy
 from tests.stack import REALISTIC_STEP_S, complete, start_draft, start_router, start_target
 from tests.test_router_integration import metric, prompts
@@ -58,43 +57,112 @@ def resting_pays(drafting: bool, step: int) -> float:
 
 
 # ---- progress in steps of prompt lookup alone ------------------------------------------------------
-def test_a_drafting_step_counts_the_steps_lookup_alone_would_have_taken_for_its_tokens():
-    assert lookup_steps([1, 2, 3, 4], [1, 2, 9, 9], 0.5, False) == 4 / 3, "a b accepted, then the target's c"
-    assert lookup_steps([1, 2, 3, 4], [7, 8], 0.5, False) == 4.0, "lookup's first guess fails: one token a step"
-    assert lookup_steps([1, 2, 3, 4], [], 0.5, False) == 4.0, "no lookup proposal: plain decoding"
-    assert lookup_steps([1, 2], [1, 9, 9, 9], 0.5, False) == 1.0, "one accepted and the target's own: as drafting"
-    assert lookup_steps([1, 2], [1, 2], 0.5, False) == 2 / 3, "both accepted, the bonus beyond what drafting made"
+def replay(text: list[int], start: int, k: int = 4, grown_by: int = 1) -> list[int]:
+    """LookupShadow over `text` from `start`, the text growing `grown_by` tokens at a time: the steps
+    each growth resolved (the last growth finishes the text)."""
+    shadow, out = LookupShadow(k, start), []
+    for end in range(start + grown_by, len(text) + grown_by, grown_by):
+        out.append(shadow.advance(text[:end], finished=end >= len(text)))
+    return out
 
 
-def test_where_lookup_matched_all_the_target_emitted_its_further_guesses_count_at_lookup_s_acceptance():
-    assert lookup_steps([1, 2], [1, 2, 3, 4], 0.5, False) == pytest.approx(2 / (2 + 1 + 0.5 + 0.25))
-    assert lookup_steps([1, 2], [1, 2, 3, 4], 1.0, False) == pytest.approx(2 / 5)
-    assert lookup_steps([1, 2], [1, 2, 3, 4], 0.0, False) == pytest.approx(2 / 3)
+def test_lookup_alone_replayed_emits_its_matched_guesses_and_the_target_s_token_a_step():
+    text = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 7]  # the output starts at 6
+    # no earlier match for "... 6" or "... 6 1": one token a step; after "1 2" lookup guesses 3 4 5 6
+    # (what followed "1 2" at the start), all four match, and the target's 7 comes with them
+    assert sum(replay(text, 6)) == 3, "1 | 2 | 3 4 5 6 7"
+    assert replay(text, 6, grown_by=len(text)) == [3], "the same steps, counted at once"
+    # k = 2: 3 4 and the target's 5; then "2 3 4 5" was followed by 6 1: 6 matches, the target's 7
+    assert sum(replay(text, 6, k=2)) == 4, "1 | 2 | 3 4 5 | 6 7"
 
 
-def test_a_step_that_finished_its_sequence_took_lookup_alone_no_more_than_a_step():
-    assert lookup_steps([1, 2], [1, 2, 3, 4], 0.9, True) == 1.0
-    assert lookup_steps([1, 2, 3], [1, 9], 0.9, True) == 1.5
+def test_a_replayed_step_resolves_only_once_the_text_shows_where_its_guesses_stop():
+    text = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 7]
+    steps = replay(text, 8)  # from 8 lookup guesses 3 4 5 6, all of which the text will hold
+    assert steps[:4] == [0, 0, 0, 0], "3, 4, 5, 6 emitted: the step still depends on the token after them"
+    assert steps[4] == 1 and sum(steps) == 1, "7 shows it: one step of five tokens"
 
 
-def test_a_draft_ahead_by_a_little_is_found_whatever_the_text_s_yield():
-    """Lookup's yield follows the text: here it finds 1-5 tokens a step, segment by segment, for both
-    regimes alike. Counted per drafting step against what lookup alone would have made of the same
-    history, drafting 10% ahead takes its place within two probes in every text (tokens per ms, window
-    against window, read each segment's yield instead)."""
-    for seed in range(5):
+def test_a_finished_text_ends_the_replay_with_one_step_for_what_is_left():
+    text = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    shadow = LookupShadow(4, 8)
+    assert shadow.advance(text, finished=False) == 0, "3 matches lookup's first guess: the step goes on"
+    assert shadow.advance(text, finished=True) == 1 and shadow.pos == len(text)
+
+
+def text_with_repeats(seed: int, n: int = 30_000) -> list[int]:
+    """Fresh runs (one token a step for lookup alone) and repeats of earlier runs (up to k + 1 tokens a
+    step), in random segments: lookup's yield swings from window to window."""
+    rng = random.Random(seed)
+    text = [rng.randrange(10_000, 10_050) for _ in range(64)]
+    while len(text) < n:
+        size = rng.randint(8, min(120, len(text) - 1))
+        if rng.random() < 0.5:
+            at = rng.randrange(0, len(text) - size)
+            text += text[at:at + size]
+        else:
+            text += [rng.randrange(1_000_000) for _ in range(size)]
+    return text
+
+
+def test_the_replay_counts_the_same_steps_however_the_text_was_emitted():
+    """What lookup alone would have needed for a text does not depend on the steps that made it: any
+    regime's steps, short or long, resolve the same steps in all (each once the text shows it)."""
+    for seed in range(3):
+        text = text_with_repeats(seed, n=3000)
+        whole = LookupShadow(4, 64).advance(text, finished=True)
         rng = random.Random(seed)
-        yields = [rng.randint(1, 5) for _ in range(200)]  # lookup alone: tokens a step, per 10-step segment
+        shadow, end, total = LookupShadow(4, 64), 64, 0
+        while end < len(text):
+            end = min(len(text), end + rng.randint(1, 6))
+            total += shadow.advance(text[:end], finished=end == len(text))
+        assert total == whole and 1200 < whole < 2200, seed
 
-        def rate(drafting: bool, step: int, yields: list[int] = yields) -> float:
-            y = yields[step // 10]
-            if not drafting:
-                return 1.0 / 10.0  # one step of lookup alone, 10 ms
-            emitted = list(range(y + 1))  # the draft finds one token more than lookup would ...
-            looked = list(range(y - 1)) + [-1]  # ... whose guess fails after y - 1
-            return lookup_steps(emitted, looked, 0.5, False) / (10.0 * (y + 1) / y / 1.1)  # 10% ahead
 
-        assert drafts_within(run(DraftRegime(), 1500, 1, rate), probes=2)
+def regimes_over(text: list[int], ahead: float, steps: int = 2000) -> list[bool]:
+    """The regime over `text`: resting, a step is lookup alone's (its matched guesses and the target's
+    token, 10 ms); drafting, the same tokens and one more (the draft finds what lookup would have, and
+    a token further) at `ahead` times the tokens per ms. Progress: what LookupShadow makes of the text."""
+    regime, lookup, shadow, pos, taken = DraftRegime(), PromptLookup(), LookupShadow(4, 64), 64, []
+    for _ in range(steps):
+        drafting = regime.drafting(1)
+        guesses = lookup.propose(text, 4, end=pos)
+        matched = 0
+        while matched < len(guesses) and guesses[matched] == text[pos + matched]:
+            matched += 1
+        emitted = matched + 2 if drafting else matched + 1
+        ms = 10.0 * emitted / (matched + 1) / ahead if drafting else 10.0
+        pos += emitted
+        progress = shadow.advance(text[:pos], finished=False) if regime.measuring else None
+        if not regime.measuring:
+            shadow.restart(pos)
+        regime.observe(progress, ms)
+        taken.append(drafting)
+    return taken
+
+
+def test_whichever_regime_gets_through_the_text_faster_is_kept_whatever_the_text_s_yield():
+    """Lookup alone makes 1 to 5 tokens a step as the text repeats itself or not, window by window.
+    Counted in steps of lookup alone over the text each regime made, a draft 20% ahead takes its place
+    within two probes and keeps it, and one 20% behind never holds it for longer than a probe."""
+    for seed in range(3):
+        text = text_with_repeats(seed)
+        assert drafts_within(regimes_over(text, ahead=1.2), probes=2), seed
+        behind = regimes_over(text, ahead=1 / 1.2)
+        assert not any(drafting for drafting, n in runs(behind) if n > WINDOW), seed
+
+
+def test_a_step_that_resolved_no_replayed_step_still_counts_its_time():
+    """A replay waits for the token that resolves its step: a measured step may bring 0 steps of lookup
+    alone and the next two. Both count, with their ms; a step without decoders (None) does not."""
+    regime = DraftRegime()
+    for _ in range(SETTLE + 1):
+        regime.drafting(1)
+    size = regime.sizes[0]
+    regime.observe(0.0, 10.0)
+    regime.drafting(1)
+    regime.observe(None, 10.0)
+    assert list(size.before) == [(0.0, 10.0)]
 
 
 def test_it_rests_first_then_tries_drafting_for_a_window_and_keeps_the_better():

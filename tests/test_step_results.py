@@ -148,23 +148,33 @@ def test_a_miss_is_classified_when_its_step_is_planned_not_when_a_late_call_land
 
 
 def test_the_regime_s_progress_counts_each_decoder_in_steps_of_prompt_lookup_alone():
-    """A decoder that verified the draft's proposal got as far as lookup alone would have in
-    lookup_steps (its passed-over proposal against the target's tokens); one that verified lookup's,
-    or nothing at k = 0, made one step. The step's progress is their mean (they step together)."""
+    """Each decoder's output is replayed through lookup alone from its first decode (LookupShadow, at
+    k_max); the step's progress is the replayed steps its tokens resolved, averaged over the decoders
+    (they step together). A step the regime does not measure counts nothing, and the replays start
+    again after it; a step without decoders is no sample."""
     from router.step_record import StepRecorder
 
     spec, metrics, _, _ = _books()
     recorder = StepRecorder(spec, metrics, "r0")
-    drafted, looked, plain = _seq(1, [5, 6, 7]), _seq(2, [8, 9, 8, 9]), _seq(3, [1, 2])
-    drafted.next_k, looked.next_k, plain.next_k = 3, 2, 0
-    spec.lookup_passed[drafted.seq_id] = [10, 11, 99]  # lookup alone: 10 11 accepted, then the target's 12
-    spec.from_lookup.add(looked.seq_id)
-    plan = StepPlan(decodes=[(drafted, 3), (looked, 2), (plain, 0)])
-    response = target_pb2.StepResponse(results=[
-        target_pb2.EntryResult(seq_id=1, tokens=[10, 11, 12, 13], num_accepted=3),
-        target_pb2.EntryResult(seq_id=2, tokens=[8, 9, 4], num_accepted=2),
-        target_pb2.EntryResult(seq_id=3, tokens=[3])])
-    assert recorder.lookup_steps(plan, response) == pytest.approx((4 / 3 + 1 + 1) / 3)
-    assert recorder.lookup_steps(StepPlan(chunks=[Chunk(plain, 0, 2)]), target_pb2.StepResponse()) == 0.0
+    repeat, fresh = _seq(1, [5, 6, 7, 8, 9, 5, 6]), _seq(2, [1, 2, 3])
+    plan = StepPlan(decodes=[(repeat, 3), (fresh, 0)])
+
+    def step(a: list[int], b: list[int]) -> target_pb2.StepResponse:
+        repeat.tokens += a
+        fresh.tokens += b
+        return target_pb2.StepResponse(results=[target_pb2.EntryResult(seq_id=1, tokens=a),
+                                                target_pb2.EntryResult(seq_id=2, tokens=b)])
+
+    # lookup alone after "5 6" guesses 7 8 9 5: the draft's 7 8 9 5 6 is that step and its bonus; the
+    # fresh one's 4 is one step (no earlier match)
+    assert recorder.lookup_steps(plan, step([7, 8, 9, 5, 6], [4]), measured=True) == pytest.approx((1 + 1) / 2)
+    assert repeat.lookup_shadow is not None and repeat.lookup_shadow.pos == len(repeat.tokens)
+    # "5 6" again: lookup guesses 7 8 9 5; 7 8 emitted so far leave its step open
+    assert recorder.lookup_steps(plan, step([7, 8], [10]), measured=True) == pytest.approx((0 + 1) / 2)
+    assert recorder.lookup_steps(plan, step([9, 1], [11]), measured=True) == pytest.approx((1 + 1) / 2)
+    assert recorder.lookup_steps(plan, step([2], [12]), measured=False) is None
+    assert repeat.lookup_shadow.pos == len(repeat.tokens), "restarted where the unmeasured step left the text"
+    assert recorder.lookup_steps(StepPlan(chunks=[Chunk(fresh, 0, 2)]), target_pb2.StepResponse(),
+                                 measured=True) is None
     empty = target_pb2.StepResponse(results=[target_pb2.EntryResult(seq_id=1)])
-    assert recorder.lookup_steps(StepPlan(decodes=[(drafted, 3)]), empty) == 1.0, "no tokens: one step, no crash"
+    assert recorder.lookup_steps(StepPlan(decodes=[(repeat, 3)]), empty, measured=True) == 0.0, "no tokens"
