@@ -595,11 +595,14 @@ def test_grpc_bad_input_is_invalid_argument(stack, channel, case):
 
 
 def test_grpc_cancelled_stream_frees_kv_in_both_services(stack, channel):
+    """Seeded, so the draft works for it whatever the draft regime decided for the stack's compute (a
+    seeded request's k never depends on timing): both services hold its KV while it streams."""
     trunner, drunner = stack["target"], stack["draft"]
     assert wait_until(lambda: trunner.blocks.num_free == trunner.config.num_blocks, 10)
     aborted = sample(metrics_text(stack["router"].url), "tandem:requests_total", 'finish_reason="abort"') or 0
+    seeded = common_pb2.SamplingParams(temperature=1.0, seed=7)
     call = generate_pb2_grpc.GenerateStub(channel).Generate(generate_pb2.GenerateRequest(
-        prompt_token_ids=TOO_LONG[:100], max_tokens=400, ignore_eos=True, sampling=GREEDY_PB), timeout=60)
+        prompt_token_ids=TOO_LONG[:100], max_tokens=400, ignore_eos=True, sampling=seeded), timeout=60)
     got = [next(call) for _ in range(3)]
     assert all(m.token_ids for m in got)
     assert trunner.blocks.num_free < trunner.config.num_blocks  # the sequence holds KV while it streams
