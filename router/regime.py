@@ -24,9 +24,9 @@ steps lookup alone would not have needed, and on two shared cores the regime dra
 where lookup alone (7) made 1.05-1.28x the defaults' tokens per second.) A probe is still compared
 with the preferred regime's steps just before and just after it (drift in the machine's speed and the
 batch's contexts), and the median of the last EVIDENCE paired samples decides: the preference turns
-when it favours the other regime by MARGIN. Probes come PROBE_AFTER steps apart, and further (up to SPACED times) while
-the evidence is CLEAR: at least CLEAR_AFTER samples, the last one agreeing. One sample alone never
-spaces them out. The first SETTLE steps of a run are not measured: proposals
+when it favours the other regime by MARGIN. Probes come PROBE_AFTER steps apart, and further (up to
+SPACED times) while the evidence is CLEAR: at least CLEAR_AFTER samples, the last one agreeing. One
+sample alone never spaces them out. The first SETTLE steps of a run are not measured: proposals
 prepared before it still land in it, and a draft back at work first catches up on what it missed.
 
 A stack starts resting (PRIOR): a draft on the target's compute must be measured to pay, by the
