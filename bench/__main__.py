@@ -48,7 +48,8 @@ identical tokens for a prompt, and this is checked (exit 1 otherwise).
 
 Measures per pair x mode x config x load: output tokens/s, TTFT, ITL p50/p90/p99 (per token from SSE
 chunk arrival times), end-to-end latency; from /metrics deltas: acceptance, pipeline hit rate and
-misses (late / wrong / unasked), target busy, target ms/step, router+RPC ms/step and its share of target.
+misses (late / wrong / unasked), target busy, target ms/step, router+RPC ms/step and its share of target;
+from /proc: the cores each process kept busy (CPU seconds during the load / its wall time).
 
 Feature workloads (--workloads), once per pair in shared mode, after the configs: structured
 (bench/structured.py: the same prompts free and constrained to JSON schemas; every constrained

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -94,6 +95,16 @@ def make_mode(name: str, cpus: set[int] | None = None, taskset: str | None = "au
     return Mode("two-device", threads=1, target_cpu=usable[0], host_cpu=usable[1])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (0.0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: stat fields 14, 15
+
+
 def affinity(pid: int) -> list[int]:
     try:
         return sorted(os.sched_getaffinity(pid))
@@ -109,6 +120,10 @@ class PinnedStack(Stack):
 
     def __post_init__(self) -> None:
         self.wrap = {name: self.mode.prefix(name) for name in ("target", "draft", "router")}
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds each process has used so far, and this one's (the load client's)."""
+        return {name: cpu_seconds(p.pid) for name, p in self.procs.items()} | {"client": time.process_time()}
 
     def check_pinning(self) -> dict[str, list[int]]:
         """Each process's CPU affinity as the kernel reports it; raises if a pin did not hold."""

@@ -47,13 +47,13 @@ def engine_table(data: dict, run: dict) -> list[str]:
             "| misses late / wrong / unasked (filled) | target busy | target ms / step | tokens / step "
             "| draft ms / step, critical path (upfront steps) "
             "| router+RPC ms / step | router+RPC / target | chained (not: draft late) "
-            "| draft slowdown / pooled acceptance |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| draft slowdown / pooled acceptance | cores busy: target / draft / router / client |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cfg, loads in run["results"].items():
         if cfg == "hf":
             continue
         for load, s in loads.items():
-            e = s.get("engine", {})
+            e, cpu = s.get("engine", {}), s.get("cpu_busy", {})
             rows.append(
                 f"| ({cfg}) | {labels.get(load, load)} | {_n(e.get('acceptance'), '{:.2f}')} "
                 f"| {_n(e.get('draft_tokens_per_verify'), '{:.2f}')} | {_n(e.get('emitted_per_step'), '{:.2f}')} "
@@ -66,7 +66,8 @@ def engine_table(data: dict, run: dict) -> list[str]:
                 f"| {_n(e.get('router_ms_per_step'))} "
                 f"| {_n(e.get('router_over_target'), '{:.1%}')} | {_n(e.get('chained_share'), '{:.0%}')} "
                 f"({_n(e.get('unchained_draft_late'), '{:.0%}')}) "
-                f"| {_n(e.get('draft_slowdown'), '{:.2f}')} / {_n(e.get('pooled_acceptance_draft'), '{:.2f}')} |")
+                f"| {_n(e.get('draft_slowdown'), '{:.2f}')} / {_n(e.get('pooled_acceptance_draft'), '{:.2f}')} "
+                f"| {' / '.join(_n(cpu.get(p), '{:.2f}') for p in ('target', 'draft', 'router', 'client'))} |")
     return rows
 
 

@@ -82,9 +82,12 @@ def run_config(cfg: Config, s: Settings, model_name: str, loads: list[tuple[Load
                 on_load(load)
                 rate = rate_of(load, runs) if load.kind == "open" else 0.0
                 before = prom.scrape(stack.url)
+                cpu_before = stack.cpu_seconds()
                 results, wall = asyncio.run(run_load(stack.url, model_name, load, requests, rate, arrivals, on_done))
+                cpu_after = stack.cpu_seconds()
                 after = prom.scrape(stack.url)
                 summary = summarize(results, wall)
+                summary["cpu_busy"] = {n: (cpu_after[n] - cpu_before[n]) / wall for n in cpu_after} if wall else {}
                 engine = prom.derive(prom.delta(before, after), wall)
                 summary["engine"] = (engine | prom.gauges(after)) if cfg.draft else engine
                 if load.kind == "open":

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from bench import anchor, prom, report
 from bench.figures import Figure, figures, summary_lines
-from bench.modes import Mode, ModeUnavailable, PinnedStack, make_mode
+from bench.modes import Mode, ModeUnavailable, PinnedStack, cpu_seconds, make_mode
 from bench.pairs import Pair, find_pairs
 from bench.plans import PROFILES, profile_for
 from bench.workloads import WORKLOADS, build_pool
@@ -60,6 +62,18 @@ def test_pinned_stack_prefixes_each_process(monkeypatch, tmp_path: Path) -> None
     assert seen["draft_service"][:3] == ["taskset", "-c", "1"]
     assert seen["router"][:3] == ["taskset", "-c", "1"]
     assert seen["target_service"][-2:] == ["--threads", "1"]
+
+
+def test_cpu_seconds_counts_what_a_process_has_burnt_and_nothing_once_it_is_gone() -> None:
+    spin = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint(flush=True)\n" \
+           "sys.stdin.read()"
+    p = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        p.stdout.readline()
+        assert cpu_seconds(p.pid) >= 0.3
+    finally:
+        p.communicate("")
+    assert cpu_seconds(p.pid) == 0.0
 
 
 # ---- pairs and plans ----------------------------------------------------------------------------
@@ -211,6 +225,7 @@ def test_prom_derive_splits_misses_and_router_share() -> None:
 def test_report_renders_and_writes_strict_json(tmp_path: Path) -> None:
     res = _results()
     res["6"]["c1"]["engine"]["pipeline_hit_rate"] = math.nan
+    res["6"]["c1"]["cpu_busy"] = {"target": 0.95, "draft": 0.4, "router": 0.1, "client": 0.05}
     loads = [{"name": n, "label": n, "kind": "closed", "n_requests": 1, "concurrency": 1, "rate_frac": 0.0}
              for n in ("c1", "c4", "c16")]
     data = {"meta": {"command": "python -m bench", "date": "today", "quick": True, "budget": 256, "k_max": 4,
@@ -236,6 +251,7 @@ def test_report_renders_and_writes_strict_json(tmp_path: Path) -> None:
     assert "**Skipped**" in text and "**Did not run** (3): hung" in text
     assert "| pipelined (5) / sequential (4) tokens/s at c=1 | 1.25x | >= 1.15x | pass |" in text
     assert "demo-two-device-itl_cdf.png" in text
+    assert "| 0.95 / 0.40 / 0.10 / 0.05 |" in text  # cores each process kept busy during the load
     saved = json.loads(js.read_text())["figures"]
     assert [Figure.from_row(r).status for r in saved] == [r["status"] for r in data["figures"]]
 
