@@ -17,7 +17,7 @@ from router.step_costs import Contention
 PROBE_EVERY = 32  # steps between draft-idle probes of the target's slowdown while the draft works
 SLOWS_TARGET = 1.05  # a measured slowdown above this is contention, not noise
 QUIET_PROBES = 8  # a draft that does not slow the target is probed this many times less often
-SIZE_PROBE_EVERY = 4  # on shared compute: steps between probes while no idle steps of about the current size are held
+SIZE_PROBE_EVERY = 4  # steps between probes while no idle steps of about the current size are held
 
 
 class DraftPacing:
@@ -41,20 +41,20 @@ class DraftPacing:
     def rests(self, plan: StepPlan, step: int) -> bool:
         """Whether this step runs without draft work: a decode-only step rests the draft until a few
         idle steps are measured, then one in PROBE_EVERY (its decoders find no branch next step: they
-        take lookup's proposal or run at k = 0), and, on compute shared with the target, one in
-        SIZE_PROBE_EVERY while too few idle steps of about this one's size are held (a change of load:
-        the contention estimate compares sizes alike). On its own device the draft's slowdown is small
-        (1.0-1.15, caches and memory bandwidth) and a size probe costs its decoders their next
-        proposals: demo pair, two-device c=16, size probes rested 7.6% of the steps, and without them
-        the late share fell 0.24 -> 0.22 (eight runs each; tokens/s +2%, within the spread); the
-        periodic probes keep it measured. A draft measured not to slow the target is probed
-        QUIET_PROBES times less often: the probe only keeps that finding current. A step with prompt
-        chunks never rests it (it mirrors them)."""
+        take lookup's proposal or run at k = 0), and one in SIZE_PROBE_EVERY while too few idle steps
+        of about this one's size are held (a change of load: the contention estimate compares sizes
+        alike). On its own device too: a draft quiet beside small steps may not be beside large ones.
+        SmolLM2 two-device, c = 16: the target's steps ran 2-12% slower beside the draft's work than
+        the same work beside none, where c = 1 and c = 4 had measured nothing (a step there is mostly
+        the read of the target's weights), and the estimate, never probed at c = 16, read 1.00. A
+        draft measured not to slow the target is probed QUIET_PROBES times less often: the periodic
+        probe only keeps that finding current. A step with prompt chunks never rests it (it mirrors
+        them)."""
         if not self.config.pipeline or plan.chunks:
             return False
         if not self.contention.seen(busy=False):
             return True
-        if self.shares_compute() and step % SIZE_PROBE_EVERY == 0 and not self.contention.knows(len(plan.sequences)):
+        if step % SIZE_PROBE_EVERY == 0 and not self.contention.knows(len(plan.sequences)):
             return True
         return step % (PROBE_EVERY if self.slows_target() else PROBE_EVERY * QUIET_PROBES) == 0
 

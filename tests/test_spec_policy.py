@@ -356,9 +356,10 @@ def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_
 
 
 def test_a_change_of_load_is_probed_until_idle_steps_of_its_size_are_held():
-    """The slowdown compares busy and idle steps of about one size: on compute shared with the target,
-    after a load of one sequence, a step of eight is probed one step in SIZE_PROBE_EVERY until
-    MIN_SAMPLES idle steps near its size are held. On its own device only the periodic probes rest it."""
+    """The slowdown compares busy and idle steps of about one size: after a load of one sequence, a
+    step of eight is probed one step in SIZE_PROBE_EVERY until MIN_SAMPLES idle steps near its size
+    are held, on compute shared with the target and on the draft's own device alike (a draft quiet
+    beside small steps may slow large ones: they share caches and memory bandwidth)."""
     from router.pacing import PROBE_EVERY, SIZE_PROBE_EVERY
     from router.step_costs import MIN_SAMPLES
 
@@ -370,10 +371,11 @@ def test_a_change_of_load_is_probed_until_idle_steps_of_its_size_are_held():
     steps = range(1, PROBE_EVERY)
     assert not any(spec.pacing.rests(one, s) for s in steps)
     assert [s for s in steps if spec.pacing.rests(eight, s)] == [s for s in steps if s % SIZE_PROBE_EVERY == 0]
-    assert not any(own_device.pacing.rests(eight, s) for s in steps), "a size probe costs more than it tells there"
-    for _ in range(MIN_SAMPLES):
-        spec.pacing.contention.observe(spec.cost.step_ms(8, 8), 8, 8, draft_busy=False)
-    assert not any(spec.pacing.rests(eight, s) for s in steps)
+    assert [s for s in steps if own_device.pacing.rests(eight, s)] == [s for s in steps if s % SIZE_PROBE_EVERY == 0]
+    for s in (spec, own_device):
+        for _ in range(MIN_SAMPLES):
+            s.pacing.contention.observe(s.cost.step_ms(8, 8), 8, 8, draft_busy=False)
+        assert not any(s.pacing.rests(eight, step) for step in steps)
 
 
 def test_a_draft_on_other_cores_is_probed_too_and_treated_as_shared_once_it_measurably_slows_the_target():
