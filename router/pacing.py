@@ -46,7 +46,8 @@ class DraftPacing:
         alike). On its own device too: a draft quiet beside small steps may not be beside large ones.
         SmolLM2 two-device, c = 16: the target's steps ran 2-12% slower beside the draft's work than
         the same work beside none, where c = 1 and c = 4 had measured nothing (a step there is mostly
-        the read of the target's weights), and the estimate, never probed at c = 16, read 1.00. A
+        the read of the target's weights), and the estimate, without idle steps of c = 16's size, read
+        1.00-1.06. A
         draft measured not to slow the target is probed QUIET_PROBES times less often: the periodic
         probe only keeps that finding current. A step with prompt chunks never rests it (it mirrors
         them)."""
