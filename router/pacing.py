@@ -47,10 +47,9 @@ class DraftPacing:
         SmolLM2 two-device, c = 16: the target's steps ran 2-12% slower beside the draft's work than
         the same work beside none, where c = 1 and c = 4 had measured nothing (a step there is mostly
         the read of the target's weights), and the estimate, without idle steps of c = 16's size, read
-        1.00-1.06. A
-        draft measured not to slow the target is probed QUIET_PROBES times less often: the periodic
-        probe only keeps that finding current. A step with prompt chunks never rests it (it mirrors
-        them)."""
+        1.00-1.06. A draft measured not to slow the target is probed QUIET_PROBES times less often: the
+        periodic probe only keeps that finding current. A step with prompt chunks never rests it (it
+        mirrors them)."""
         if not self.config.pipeline or plan.chunks:
             return False
         if not self.contention.seen(busy=False):
