@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
 class StepLoop:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, target: TargetClient, draft: DraftLane,
                  metrics: Metrics, max_model_len: int, target_max_k: int,
@@ -302,6 +301,10 @@ class StepLoop:
         progress = self.recorder.lookup_steps(plan, response, self.regime.measuring)
         if self._chained is not None:  # the target runs it now: the draft's work for its outcomes goes first
             self._begin_chained(self._chained)
+        self._record(plan, response, draft_ms, target_wall_ms, t_start, draft_busy, chained, progress)
+
+    def _record(self, plan: StepPlan, response: target_pb2.StepResponse, draft_ms: float, target_wall_ms: float,
+                t_start: float, draft_busy: bool, chained: bool, progress: float | None) -> None:
         self.steps += 1
         self.regime.observe(progress, self.recorder.record(plan, response, draft_ms, target_wall_ms, t_start,
                                                            draft_busy, chained))
