@@ -65,11 +65,14 @@ class RequestStream:
         delta = await self.seq.outputs.get()
         if delta.finish_reason is not None:
             self._running -= 1
-            if delta.error is not None:  # one choice failed: the request fails
-                self._running = 0
+            if delta.error is not None:  # one choice failed: the request fails, its siblings stop
+                self.abort()
         return delta
 
     async def aclose(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
         self._running = 0
         for seq in self.seqs:
             if not seq.finished:
@@ -178,10 +181,30 @@ class RouterEngine:
             self._grammars = Grammars(self.tokenizer_dir, info.vocab_size, info.eos_token_ids)
         return self._grammars
 
+    def submit_all(self, reqs: list[Request], trace_parent: Context | None = None) -> RequestStream:
+        """Several prompts as one request (OpenAI's list of prompts): each validated before any is
+        queued, their outputs in one stream where prompt p's choice i is index p x n + i. A prompt
+        refused while queueing (Overloaded) aborts the ones queued before it."""
+        assert reqs and len({r.n for r in reqs}) == 1, "one n for all prompts"
+        max_tokens = [self.validate(req) for req in reqs]
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        seqs: list[Sequence] = []
+        try:
+            for p, (req, most) in enumerate(zip(reqs, max_tokens, strict=True)):
+                seqs += self._queue(req, most, trace_parent, queue, p * req.n)
+        except Exception:
+            RequestStream(self, seqs).abort()
+            raise
+        return RequestStream(self, seqs)
+
     def submit(self, req: Request, trace_parent: Context | None = None) -> RequestStream:
         """Validate and queue a request (synchronous: raises before anything is queued).
         trace_parent: the caller's span, when tracing (None: the current context's)."""
-        max_tokens = self.validate(req)
+        return RequestStream(self, self._queue(req, self.validate(req), trace_parent, asyncio.Queue(), 0))
+
+    def _queue(self, req: Request, max_tokens: int, trace_parent: Context | None, queue: asyncio.Queue[Delta],
+               first_index: int) -> list[Sequence]:
+        """Queue a validated request's n choices, their Deltas into `queue` numbered from first_index."""
         if not self.ready:
             raise ServiceUnavailable("not ready: the target service is unavailable")
         total = len(req.prompt_ids) + max_tokens
@@ -195,13 +218,12 @@ class RouterEngine:
         grammar = self.grammars.compile(req.constraint) if req.constraint is not None else ""
         req = dataclasses.replace(req, eos_ids=eos, grammar=grammar)
         seqs: list[Sequence] = []
-        queue: asyncio.Queue[Delta] = asyncio.Queue()
         for i in range(req.n):  # one lane for all: the siblings fork the first one's prompt there
             choice = req if i == 0 else dataclasses.replace(req, sampling=req.sampling.for_choice(i))
             seq = Sequence(seq_id=next(self._ids), request=choice, tokens=list(req.prompt_ids),
                            num_prompt=len(req.prompt_ids), output=OutputBuilder(self.codec.tokenizer, choice, set(eos),
-                                                                                max_tokens, i),
-                           lane=lane, outputs=queue, index=i, fork_parent=seqs[0] if seqs else None,
+                                                                                max_tokens, first_index + i),
+                           lane=lane, outputs=queue, index=first_index + i, fork_parent=seqs[0] if seqs else None,
                            grammar=self.grammars.state(grammar) if grammar else None,
                            tracker=lane.loop.spec.draft_acceptance.tracker(),
                            lookup_tracker=lane.loop.spec.lookup_acceptance.tracker())
@@ -219,7 +241,7 @@ class RouterEngine:
         if grammar:
             self.metrics.structured_requests.labels(kind=req.constraint.kind).inc()  # type: ignore[union-attr]
         lane.wake.set()
-        return RequestStream(self, seqs)
+        return seqs
 
     # ---- loop callbacks --------------------------------------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_LIMIT_BYTES = 1 << 30  # past this an oversized body is cut off (connection closed) instead of drained
 _PARSE_OFF_LOOP_BYTES = 256 * 2**10
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # JSON's only way to write a surrogate
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -105,6 +107,10 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise _HTTPError(error(400, f"malformed JSON: {err}")) from None
     if not isinstance(data, dict):
         raise _HTTPError(error(400, "body must be a JSON object"))
+    bad = _unpaired_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
+    if bad is not None:
+        raise _HTTPError(error(400, f"{bad or 'body'}: a string holds an unpaired UTF-16 surrogate escape (such as "
+                                    f"\\ud800), which is no Unicode text", bad or None))
     unknown = model.unsupported(data) if issubclass(model, _Common) else []
     if unknown:
         raise _HTTPError(error(400, f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
@@ -119,6 +125,10 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
 def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
     app = FastAPI(title="Tandem", description="Speculative decoding with chunked prefill, as a service",
                   telemetry=_telemetry(engine.config.tracer))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)  # logged under an id; the client gets the id in OpenAI's shape
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -143,11 +153,12 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
     async def completions(request: Request) -> Response:
         try:
             body = await parse(request, CompletionBody)
-            text = body.prompt_text()
-            ids = await engine.encode(text) if text is not None else None
-            req = body.to_request(f"cmpl-{uuid.uuid4().hex}", ids, engine.sampling_defaults)
-            fmt = CompletionFormat(engine.codec.decode_one, model_name, req, body.return_token_ids)
-            return await respond(request, body, engine.submit(req), fmt)
+            request_id = f"cmpl-{uuid.uuid4().hex}"
+            reqs = [body.to_request(request_id, await engine.encode(p) if isinstance(p, str) else p,
+                                    engine.sampling_defaults) for p in body.prompts()]
+            fmt = CompletionFormat(engine.codec.decode_one, model_name, reqs[0], body.return_token_ids)
+            return await respond(request, body, engine.submit(reqs[0]) if len(reqs) == 1 else engine.submit_all(reqs),
+                                 fmt)
         except _HTTPError as e:
             return e.response
         except (RequestError, Overloaded, ServiceUnavailable) as e:
@@ -245,6 +256,25 @@ def _telemetry(tracer: RouterTracer | None) -> dict:
             "exclude": lambda scope: scope.get("path") in ("/metrics", "/health", "/ready")}
 
 
+def _unpaired_surrogate(value: object, path: str = "") -> str | None:
+    """The path of the first string (key or value) that JSON decoded with a lone surrogate: "\\ud800"
+    is valid JSON but no text (tokenizing it raised UnicodeEncodeError, a 500). None: there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}.{key}" if path else str(key)
+        for part in (key, item) if isinstance(key, str) else (item,):
+            found = _unpaired_surrogate(part, inner)
+            if found is not None:
+                return found
+    return None
+
+
 def _describe(errors: list[dict]) -> tuple[str, str]:
     """(field path, message) of the first bad field. A union field (temperature: float | int) fails
     once per member, each loc tagged with the member ("temperature", "float"): the field is the
@@ -260,4 +290,4 @@ def _describe(errors: list[dict]) -> tuple[str, str]:
             n += 1
         path = path[:n]
     best = min(same, key=lambda e: (-len(e.get("loc", ())), str(e.get("type", "")).endswith("_type")))
-    return ".".join(str(p) for p in path), str(best.get("msg"))
+    return ".".join(str(p) for p in path), str(best.get("msg")).removeprefix("Value error, ")

@@ -15,10 +15,10 @@ def _finish(delta: Delta) -> str | None:
     return "stop" if delta.finish_reason in (FinishReason.STOP, FinishReason.ABORT) else delta.finish_reason.value
 
 
-def _usage(deltas: list[Delta]) -> dict:
-    """The prompt once, the completion tokens of every choice."""
+def _usage(deltas: list[Delta], n: int) -> dict:
+    """Each prompt once (choices p x n .. p x n + n - 1 share prompt p), the completion tokens of every choice."""
     last = {d.index: d for d in deltas}
-    prompt = deltas[-1].prompt_tokens
+    prompt = sum({i // n: d.prompt_tokens for i, d in last.items()}.values())
     completion = sum(d.completion_tokens for d in last.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -51,7 +51,7 @@ class CompletionFormat:
         self.metrics = metrics  # usage.tandem_metrics, read when the usage is written
 
     def _usage(self, deltas: list[Delta]) -> dict:
-        usage = _usage(deltas)
+        usage = _usage(deltas, self.req.n)
         if self.metrics is not None:
             usage["tandem_metrics"] = self.metrics()
         return usage

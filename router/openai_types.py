@@ -12,7 +12,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from common.protocol import MAX_LOGPROBS
 from common.sampling import SamplingParams
@@ -21,6 +31,7 @@ from router.structured import Constraint
 
 MAX_STOP_STRINGS = 8
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_PROMPT_CHOICES = 64  # prompts x n: the choices one completions request may ask for
 
 
 # fields that only label or route a request elsewhere (OpenAI's own bookkeeping): accepted, no effect
@@ -29,6 +40,12 @@ HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_ident
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: object) -> object:
+        """OpenAI's optional fields are nullable: null means the default (clients send "stream": null)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -60,8 +77,8 @@ class _Common(BaseModel):
 
     @classmethod
     def unsupported(cls, body: dict) -> list[str]:
-        """Top-level fields this body type does not take (a 400 names them)."""
-        return sorted(set(body) - set(cls.model_fields) - HARMLESS)
+        """Top-level fields this body type does not take (a 400 names them); null asks for nothing."""
+        return sorted({k for k, v in body.items() if v is not None} - set(cls.model_fields) - HARMLESS)
 
     def _request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams, logprobs: int | None,
                  max_tokens: int | None) -> Request:
@@ -103,28 +120,44 @@ def _float(value: float | int | None) -> float | None:
 
 
 class CompletionBody(_Common):
-    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[list[StrictStr], Field(
-        min_length=1, max_length=1)]
+    # OpenAI's four shapes: a text, token ids, or a list of either (several prompts, answered as one)
+    prompt: (StrictStr | Annotated[list[StrictInt], Field(min_length=1)]
+             | Annotated[list[StrictStr], Field(min_length=1)]
+             | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1)])
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
-    def prompt_text(self) -> str | None:
-        """The prompt to tokenize, or None when it came as token ids."""
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_shape(cls, value: object) -> object:
+        """A list mixing texts, ids and id lists would fail every member of the union, and the error
+        would name one member's complaint ("a valid integer"): say what is taken instead."""
+        if isinstance(value, list) and len({type(v) for v in value}) > 1:
+            raise ValueError("token ids, texts or token-id lists, one kind in a list")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, a text to tokenize or token ids. Choice i of prompt p is answered as index
+        p x n + i, as OpenAI and vLLM number them."""
         if self.echo:
             raise RequestError("echo", "echo is not supported")
         if self.suffix:
             raise RequestError("suffix", "suffix is not supported")
-        if self.prompt == "" or self.prompt == [""]:
+        prompts: list = [self.prompt] if isinstance(self.prompt, str) or isinstance(self.prompt[0], int) \
+            else list(self.prompt)
+        if any(p == "" for p in prompts):
             raise RequestError("prompt", "must not be empty")
-        if isinstance(self.prompt, str):
-            return self.prompt
-        return self.prompt[0] if isinstance(self.prompt[0], str) else None
+        if len(prompts) > 1 and self.tandem_metrics:
+            raise RequestError("tandem_metrics", "reports one sequence's figures: send one prompt")
+        if len(prompts) * max(self.n, 1) > MAX_PROMPT_CHOICES:
+            raise RequestError("prompt", f"{len(prompts)} prompts with n = {self.n} ask for "
+                                         f"{len(prompts) * self.n} choices, more than {MAX_PROMPT_CHOICES}")
+        return prompts
 
-    def to_request(self, request_id: str, prompt_ids: list[int] | None, defaults: SamplingParams) -> Request:
-        ids = prompt_ids if prompt_ids is not None else list(self.prompt)
+    def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams) -> Request:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self._request(request_id, ids, defaults, self.logprobs, max_tokens)
+        return self._request(request_id, prompt_ids, defaults, self.logprobs, max_tokens)
 
 
 class ChatMessage(BaseModel):

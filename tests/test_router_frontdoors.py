@@ -373,6 +373,45 @@ def test_metrics_expose_documented_names_with_consistent_values(stack):
         assert sample(text, "tandem:step_time_seconds_count", f'part="{part}"') > 0, part
 
 
+def test_several_prompts_are_answered_as_one_request(stack):
+    """OpenAI's list of prompts (texts, or token-id lists): choice i of prompt p is index p x n + i,
+    each equal to the prompt asked alone; usage counts every prompt once and every choice."""
+    router, tok, target_dir = stack["router"], stack["tok"], stack["dirs"][0]
+    second = IDS_PROMPT[:9]
+    want = [hf_greedy(target_dir, encode(tok, TEXT_PROMPT), 6), hf_greedy(target_dir, second, 6)]
+    texts = post(router.url, "/v1/completions", prompt=[TEXT_PROMPT, dec(tok, second)], max_tokens=6)
+    assert texts.status_code == 200, texts.text
+    assert texts.json()["choices"][0]["token_ids"] == want[0]
+    r = post(router.url, "/v1/completions", prompt=[encode(tok, TEXT_PROMPT), second], n=2, max_tokens=6)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in out["choices"]] == [want[0], want[0], want[1], want[1]]
+    assert [c["text"] for c in out["choices"]] == [dec(tok, w) for w in (want[0], want[0], want[1], want[1])]
+    prompt_tokens = len(encode(tok, TEXT_PROMPT)) + len(second)
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 24, "total_tokens": prompt_tokens + 24}
+    events = sse(router.url, "/v1/completions", prompt=[encode(tok, TEXT_PROMPT), second], n=2, max_tokens=6,
+                 stream_options={"include_usage": True})
+    *chunks, usage = events
+    assert len({e["id"] for e in events}) == 1
+    streamed: dict[int, list[int]] = {}
+    for e in chunks:
+        (choice,) = e["choices"]
+        streamed.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert streamed == {0: want[0], 1: want[0], 2: want[1], 3: want[1]}
+    assert usage["usage"] == out["usage"]
+
+
+def test_null_means_the_default(stack):
+    """OpenAI's optional fields are nullable; clients that send null get what leaving them out gives."""
+    router = stack["router"]
+    plain = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=4)
+    nulls = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=4, stream=None, n=None, echo=None,
+                 stop=None, logprobs=None, seed=None, stream_options=None, tools=None, user=None)
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"] == plain.json()["choices"]
+
+
 # ---- HTTP: bad input -----------------------------------------------------------------------------
 TOO_LONG = [(5 * j) % 300 + 2 for j in range(MAX_MODEL_LEN + 10)]
 OK = {"model": "tiny", "prompt": IDS_PROMPT, "max_tokens": 3}
@@ -423,6 +462,20 @@ BAD = {
     "token-id-negative": ("/v1/completions", {**OK, "prompt": [5, -1]}, 400, "prompt", "prompt", None),
     "seed-negative": ("/v1/completions", {**OK, "seed": -1}, 400, "seed", "seed", None),
     "echo": ("/v1/completions", {**OK, "echo": True}, 400, "echo", "echo", None),
+    "prompts-one-empty": ("/v1/completions", {**OK, "prompt": ["hi", ""]}, 400, "prompt", "prompt", None),
+    "prompts-of-mixed-kinds": ("/v1/completions", {**OK, "prompt": ["hi", [5, 6]]}, 400, "one kind", "prompt",
+                               None),
+    "prompts-too-many-choices": ("/v1/completions", {**OK, "prompt": [[5, 6]] * 5, "n": 16}, 400, "80 choices",
+                                 "prompt", None),
+    "prompts-one-too-long": ("/v1/completions", {**OK, "prompt": [[5, 6], TOO_LONG]}, 400, "max_model_len",
+                             "prompt", None),
+    "prompts-with-tandem_metrics": ("/v1/completions", {**OK, "prompt": ["a", "b"], "tandem_metrics": True}, 400,
+                                    "one prompt", "tandem_metrics", None),
+    # valid JSON, no text: tokenizing it raised UnicodeEncodeError (a 500 in plain text)
+    "lone-surrogate": ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', 400, "surrogate", "prompt",
+                       None),
+    "lone-surrogate-chat": ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                            b'"\\udc00"}]}', 400, "surrogate", "messages.0.content", None),
 }
 
 
@@ -516,6 +569,13 @@ def test_overload_gets_429_and_the_rest_succeed(stack):
                 ok += 1
         assert ok >= 1 and refused >= 1, (ok, refused)
         # once the queue drains, the same router serves again
+        r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+        # three prompts where one may wait: refused whole, the prompt queued before the refusal withdrawn
+        aborted = sample(metrics_text(router.url), "tandem:requests_total", 'finish_reason="abort"') or 0
+        assert_error(post(router.url, "/v1/completions", prompt=[IDS_PROMPT] * 3, max_tokens=60), 429, "waiting",
+                     kind="rate_limit_error")
+        assert sample(metrics_text(router.url), "tandem:requests_total", 'finish_reason="abort"') == aborted + 1
         r = post(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=60)
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
     finally:
