@@ -57,7 +57,7 @@ def public_error(err: Exception) -> tuple[int, dict]:
     if isinstance(err, ServiceUnavailable):
         return 503, {"error": {"message": str(err), "type": "unavailable", "param": None, "code": 503}}
     log_id = uuid.uuid4().hex[:12]
-    log.error("request failed [log id %s]: %r", log_id, err)
+    log.error("request failed [log id %s]: %r", log_id, err, exc_info=err)
     return 500, {"error": {"message": f"internal error (log id {log_id})", "type": "server_error", "param": None,
                            "code": 500}}
 

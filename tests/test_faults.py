@@ -51,6 +51,12 @@ def test_a_target_failing_one_sequence_fails_that_request_only(model_pair):
         assert message.startswith("internal error (log id ") and "injected" not in message and "Runtime" not in message
         errors = metric(router.url, "tandem:target_step_errors_total")
         assert 1 <= errors <= 3, f"{errors} failed steps: a retry loop without a bound"
+        # one poisoned prompt of a list fails the whole request, its other prompts stopped with it
+        batch = httpx.post(f"{router.url}/v1/completions", json={
+            "model": "tiny", "prompt": [good[0], bad], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True},
+            timeout=120)
+        assert batch.status_code == 500 and batch.json()["error"]["message"].startswith("internal error (log id ")
+        assert metric(router.url, 'tandem:requests_total{finish_reason="abort"}') == 1  # not run to 200 tokens
         assert httpx.get(f"{router.url}/ready").status_code == 200, "a service error is not the target being down"
         assert wait_until(lambda: trunner.blocks.num_free == trunner.config.num_blocks, 15)
         assert wait_until(lambda: drunner.blocks.num_free == drunner.config.num_blocks, 15)
