@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from common.logs import bind
 from common.sampling import SamplingParams
@@ -51,8 +52,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics, constraint=_constraint(msg),
         )
 
-    async def _submit(self, msg: generate_pb2.GenerateRequest,
+    async def _submit(self, msg: generate_pb2.GenerateRequest | Undecodable,
                       context: grpc.aio.ServicerContext) -> tuple[Request, RequestStream]:
+        if isinstance(msg, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {msg.reason}")
         try:
             req = await self._request(msg)
             bind(request_id=req.request_id)  # this RPC's task: every line it logs from here on
@@ -115,5 +118,27 @@ def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> gener
     )
 
 
+class Undecodable:
+    """A request that is no GenerateRequest (bad UTF-8 in a string, a truncated message): grpc would
+    answer UNKNOWN for it; the servicer answers INVALID_ARGUMENT saying why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parse_request(raw: bytes) -> generate_pb2.GenerateRequest | Undecodable:
+    try:
+        return generate_pb2.GenerateRequest.FromString(raw)
+    except DecodeError as err:
+        return Undecodable(str(err))
+
+
 def register(server: grpc.aio.Server, engine: RouterEngine) -> None:
-    generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(engine), server)
+    """generate_pb2_grpc.add_GenerateServicer_to_server's handlers, parsing with _parse_request."""
+    servicer, respond = GenerateServicer(engine), generate_pb2.GenerateResponse.SerializeToString
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, _parse_request, respond),
+        "GenerateUnary": grpc.unary_unary_rpc_method_handler(servicer.GenerateUnary, _parse_request, respond),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

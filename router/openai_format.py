@@ -49,6 +49,7 @@ class CompletionFormat:
         self.decode, self.model, self.req, self.created = decode, model, req, int(time.time())
         self.token_ids = token_ids
         self.metrics = metrics  # usage.tandem_metrics, read when the usage is written
+        self._started: set[int] = set()  # choices whose first chunk was written
 
     def _usage(self, deltas: list[Delta]) -> dict:
         usage = _usage(deltas, self.req.n)
@@ -102,6 +103,14 @@ class ChatFormat(CompletionFormat):
                             for d in deltas for lp in (d.logprobs or [])]}
 
     def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
-        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-        return {"index": deltas[-1].index, "delta" if streamed else "message": message,
+        content = "".join(d.text for d in deltas)
+        index = deltas[-1].index
+        if not streamed:
+            message = {"role": "assistant", "content": content}
+        elif index in self._started:
+            message = {"content": content}
+        else:  # as OpenAI streams: the role in a choice's first delta only
+            self._started.add(index)
+            message = {"role": "assistant", "content": content}
+        return {"index": index, "delta" if streamed else "message": message,
                 "logprobs": self._logprobs(deltas), "finish_reason": _finish(deltas[-1])}

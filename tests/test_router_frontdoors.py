@@ -280,7 +280,8 @@ def test_chat_streaming(stack):
     *chunks, usage = sse(router.url, "/v1/chat/completions", messages=msgs, max_tokens=15,
                          stream_options={"include_usage": True})
     assert all(e["object"] == "chat.completion.chunk" for e in chunks + [usage])
-    assert all(e["choices"][0]["delta"]["role"] == "assistant" for e in chunks)
+    # as OpenAI streams: the role in a choice's first delta only
+    assert [e["choices"][0]["delta"].get("role") for e in chunks] == ["assistant"] + [None] * (len(chunks) - 1)
     ids = [t for e in chunks for t in e["choices"][0]["token_ids"]]
     assert ids == hf_greedy(target_dir, prompt, 15)
     assert "".join(e["choices"][0]["delta"]["content"] for e in chunks) == dec(tok, ids)
@@ -652,6 +653,26 @@ def test_grpc_bad_input_is_invalid_argument(stack, channel, case):
     one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=3,
                                                           ignore_eos=True, sampling=GREEDY_PB), timeout=30)
     assert list(one.token_ids) == hf_greedy(stack["dirs"][0], IDS_PROMPT, 3)
+
+
+# bytes that are no GenerateRequest: field 2 (prompt, a string) holding invalid UTF-8; one cut short
+UNDECODABLE = {"bad-utf8-prompt": (b"\x12\x03a\xffb", "UTF-8"), "truncated": (b"\x12\x09abc", "parsing")}
+
+
+@pytest.mark.parametrize("case", sorted(UNDECODABLE))
+def test_grpc_undecodable_request_is_invalid_argument(stack, channel, case):
+    """grpc's own answer to a message it cannot parse is UNKNOWN; the door says INVALID_ARGUMENT and why."""
+    raw, names = UNDECODABLE[case]
+    parse = generate_pb2.GenerateResponse.FromString
+    unary = channel.unary_unary("/tandem.v1.Generate/GenerateUnary", request_serializer=bytes,
+                                response_deserializer=parse)
+    streamed = channel.unary_stream("/tandem.v1.Generate/Generate", request_serializer=bytes,
+                                    response_deserializer=parse)
+    for call in (lambda: unary(raw, timeout=10), lambda: list(streamed(raw, timeout=10))):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert names in err.value.details(), err.value.details()
 
 
 def test_grpc_cancelled_stream_frees_kv_in_both_services(stack, channel):
