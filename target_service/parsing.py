@@ -36,6 +36,8 @@ class Entry:
     processors: Processors | None = None
     masks: tuple[bytes, ...] = ()
     fork_of: int = 0
+    prompt_logprobs: int = -1  # top alternatives of the prompt tokens' logprobs; -1: none asked
+    prompt_targets: tuple[int, ...] = ()  # the prompt token each of the first len() positions scores
 
     @property
     def sibling(self) -> bool:
@@ -89,8 +91,9 @@ class StepParser:
                                                      f"max_model_len {self.max_model_len} for the emitted token")
         if not -1 <= e.logprobs <= MAX_LOGPROBS:
             raise InvalidInput(f"{where}.logprobs", f"must be -1 (none) or in [0, {MAX_LOGPROBS}], got {e.logprobs}")
-        seq = SeqInput(e.seq_id, e.start_pos, tokens, num_logits=k + 1 if e.emit else 0,
-                       prefix=list(e.prefix_block_hashes))
+        prompt_top, targets = self._prompt_logprobs(e, tokens, k, where)
+        seq = SeqInput(e.seq_id, e.start_pos, tokens, num_logits=len(tokens) if prompt_top >= 0 else
+                       k + 1 if e.emit else 0, prefix=list(e.prefix_block_hashes))
         sampling = self._sampling(e, where)
         if e.token_masks and (not e.emit or len(e.token_masks) != k + 1):
             raise InvalidInput(f"{where}.token_masks", f"{len(e.token_masks)} masks: an emitting entry needs one per "
@@ -102,7 +105,8 @@ class StepParser:
         if any(not m.strip(b"\0") for m in masks):
             raise InvalidInput(f"{where}.token_masks", "a mask allows no token at all")
         if not e.emit:
-            return Entry(seq, False, 0, None, -1, sampling.processors, fork_of=e.fork_of)
+            return Entry(seq, False, 0, None, -1, sampling.processors, fork_of=e.fork_of, prompt_logprobs=prompt_top,
+                         prompt_targets=targets)
         assert sampling.spec is not None
         draft = tokens[len(tokens) - k:]
         dists = self._draft_dists(e, draft, where)
@@ -112,7 +116,31 @@ class StepParser:
         eps, delta = sampling.typical
         verification = Verification(draft=draft, spec=sampling.spec, position=e.start_pos + len(tokens) - k,
                                     draft_dists=dists, rule=sampling.rule, typical_epsilon=eps, typical_delta=delta)
-        return Entry(seq, True, k, verification, e.logprobs, sampling.processors, masks, e.fork_of)
+        return Entry(seq, True, k, verification, e.logprobs, sampling.processors, masks, e.fork_of, prompt_top, targets)
+
+    def _prompt_logprobs(self, e: target_pb2.StepEntry, tokens: list[int], k: int,
+                         where: str) -> tuple[int, tuple[int, ...]]:
+        """(top alternatives, the prompt token each position scores) of a chunk asking for its prompt
+        tokens' logprobs (StepEntry.prompt_logprobs); (-1, ()) when it does not."""
+        after = f"{where}.next_prompt_token"
+        if not e.HasField("prompt_logprobs"):
+            if e.HasField("next_prompt_token"):
+                raise InvalidInput(after, "only with prompt_logprobs")
+            return -1, ()
+        field = f"{where}.prompt_logprobs"
+        if not 0 <= e.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidInput(field, f"must be in [0, {MAX_LOGPROBS}], got {e.prompt_logprobs}")
+        if k or e.chained or not tokens:
+            raise InvalidInput(field, "a prompt chunk's: not with draft tokens, chained or in the sibling form")
+        if e.emit:
+            if e.HasField("next_prompt_token"):
+                raise InvalidInput(after, "the last chunk's last position yields the emitted token, no prompt token")
+            return e.prompt_logprobs, tuple(tokens[1:])
+        if not e.HasField("next_prompt_token"):
+            raise InvalidInput(after, "required with prompt_logprobs when emit is false")
+        if not 0 <= e.next_prompt_token < self.vocab_size:
+            raise InvalidInput(after, f"token id outside [0, {self.vocab_size})")
+        return e.prompt_logprobs, (*tokens[1:], e.next_prompt_token)
 
     def _sampling(self, e: target_pb2.StepEntry, where: str) -> _Sampling:
         """e.sampling checked (as far as the entry uses it), once per distinct message."""

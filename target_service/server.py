@@ -116,14 +116,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.history.fork(e.fork_of, e.seq.seq_id, e.seq.start_pos)
             logits[n] = logits[parent][-1:]
         emitting = [n for n, e in enumerate(entries) if e.emit]
-        outcomes = accept([logits[n] for n in emitting], [self._judged(entries[n]) for n in emitting])
+        # an emitting entry's last k + 1 rows decide; rows before them score prompt tokens (prompt_logprobs)
+        decided = [logits[n][len(logits[n]) - entries[n].k - 1:] for n in emitting]
+        outcomes = accept(decided, [self._judged(entries[n]) for n in emitting])
         results = [target_pb2.EntryResult(seq_id=e.seq.seq_id) for e in entries]
         for n, out in zip(emitting, outcomes, strict=True):
             e = entries[n]
             runner.trim(e.seq.seq_id, e.seq.start_pos + len(e.seq.tokens) - e.k + out.num_accepted)
             results[n].tokens.extend(out.tokens)
             results[n].num_accepted = out.num_accepted
-        self._add_logprobs(entries, logits, emitting, [o.tokens for o in outcomes], results)
+        self._add_logprobs(entries, decided, [(n, o.tokens) for n, o in zip(emitting, outcomes, strict=True)], results)
+        self._add_prompt_logprobs(entries, logits, results)
         for e, r in zip(entries, results, strict=True):
             r.cached_len = runner.cached_len(e.seq.seq_id)
             runner.commit(e.seq.seq_id, r.cached_len)  # rejected drafts are trimmed: the rest is history
@@ -173,24 +176,41 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         history = self.history.get(e.seq.seq_id, v.position) if e.needs_history else ()
         return replace(v, context=Context(e.processors, history, v.draft, e.masks, v.position))
 
-    def _add_logprobs(self, entries: list[Entry], logits: list[torch.Tensor], emitting: list[int],
-                      emitted: list[list[int]], results: list[target_pb2.EntryResult]) -> None:
-        """Raw-distribution logprobs of the emitted tokens: one logprobs_of call for the batch."""
-        wanted = [(n, toks) for n, toks in zip(emitting, emitted, strict=True) if entries[n].logprobs >= 0]
-        if not wanted:
-            return
-        rows = torch.cat([logits[n][:len(toks)] for n, toks in wanted])
-        tokens = torch.tensor([t for _, toks in wanted for t in toks], device=rows.device)
-        top_n = max(entries[n].logprobs for n, _ in wanted)
-        chosen, top_ids, top_lp = logprobs_of(rows, tokens, top_n)
-        chosen_l, ids_l, lp_l = to_lists(chosen, top_ids, top_lp)
-        row = 0
-        for n, toks in wanted:
-            m = entries[n].logprobs
-            for t in toks:
-                results[n].logprobs.append(common_pb2.TokenLogprob(
-                    token_id=t, logprob=chosen_l[row], top_token_ids=ids_l[row][:m], top_logprobs=lp_l[row][:m]))
-                row += 1
+    def _add_logprobs(self, entries: list[Entry], decided: list[torch.Tensor], emitted: list[tuple[int, list[int]]],
+                      results: list[target_pb2.EntryResult]) -> None:
+        """Raw-distribution logprobs of the emitted tokens (decided: each emitting entry's deciding rows)."""
+        wanted = [(n, rows[:len(toks)], toks) for (n, toks), rows in zip(emitted, decided, strict=True)
+                  if entries[n].logprobs >= 0]
+        for n, lp in _logprobs(wanted, entries, "logprobs"):
+            results[n].logprobs.append(lp)
+
+    def _add_prompt_logprobs(self, entries: list[Entry], logits: list[torch.Tensor],
+                             results: list[target_pb2.EntryResult]) -> None:
+        """Raw-distribution logprobs of the prompt tokens the chunks asking for them score."""
+        wanted = [(n, logits[n][:len(e.prompt_targets)], list(e.prompt_targets)) for n, e in enumerate(entries)
+                  if e.prompt_logprobs >= 0]
+        for n, lp in _logprobs(wanted, entries, "prompt_logprobs"):
+            results[n].prompt_logprobs.append(lp)
+
+
+def _logprobs(wanted: list[tuple[int, torch.Tensor, list[int]]], entries: list[Entry],
+              top: str) -> list[tuple[int, common_pb2.TokenLogprob]]:
+    """(entry, TokenLogprob) of each (entry, rows, tokens) wanted, with the entry's `top` alternatives:
+    one logprobs_of call for the batch."""
+    if not wanted:
+        return []
+    rows = torch.cat([r for _, r, _ in wanted])
+    tokens = torch.tensor([t for _, _, toks in wanted for t in toks], device=rows.device)
+    chosen, top_ids, top_lp = logprobs_of(rows, tokens, max(getattr(entries[n], top) for n, _, _ in wanted))
+    chosen_l, ids_l, lp_l = to_lists(chosen, top_ids, top_lp)
+    out, row = [], 0
+    for n, _, toks in wanted:
+        m = getattr(entries[n], top)
+        for t in toks:
+            out.append((n, common_pb2.TokenLogprob(token_id=t, logprob=chosen_l[row], top_token_ids=ids_l[row][:m],
+                                                   top_logprobs=lp_l[row][:m])))
+            row += 1
+    return out
 
 
 def _tokens(request: target_pb2.StepRequest) -> int:

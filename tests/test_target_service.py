@@ -134,6 +134,32 @@ def test_verification_mixed_with_prefill_matches_transformers(stub, model_dir):
     assert (list(a.tokens), a.num_accepted, a.cached_len) == (ga[5:10], 4, 24)
 
 
+def test_prompt_logprobs_of_a_chunked_prompt_match_transformers(stub, model_dir):
+    """Two chunks asking for their prompt tokens' logprobs (what echo with logprobs shows): every
+    prompt token but the first is scored once, by the chunk holding the position before it, as
+    transformers' log_softmax over the whole prompt; a decode beside them is unchanged."""
+    prompt, other = tokens(7, 17), tokens(8, 6)
+    ref = hf_logits(model_dir, prompt).log_softmax(-1)
+    first, _ = step(stub, target_pb2.StepEntry(seq_id=20, start_pos=0, tokens=prompt[:10], emit=False,
+                                               prompt_logprobs=2, next_prompt_token=prompt[10]),
+                    entry(21, 0, other))
+    last, decode = step(stub, target_pb2.StepEntry(seq_id=20, start_pos=10, tokens=prompt[10:], emit=True,
+                                                   prompt_logprobs=0, logprobs=1),
+                        entry(21, 6, [hf_greedy(model_dir, other, 1)[0]]))
+    scored = list(first.prompt_logprobs) + list(last.prompt_logprobs)
+    assert [lp.token_id for lp in scored] == prompt[1:]
+    assert len(first.prompt_logprobs) == 10 and len(last.prompt_logprobs) == 6
+    for pos, lp in enumerate(scored):
+        assert lp.logprob == pytest.approx(ref[pos, prompt[pos + 1]].item(), abs=1e-4)
+    for pos, lp in enumerate(first.prompt_logprobs):
+        assert list(lp.top_token_ids) == ref[pos].topk(2).indices.tolist()
+    assert all(not lp.top_token_ids for lp in last.prompt_logprobs)
+    # the last chunk still emits the first token, with its own logprob, and decodes go on as before
+    assert list(last.tokens) == hf_greedy(model_dir, prompt, 1) and len(last.logprobs) == 1
+    assert last.logprobs[0].logprob == pytest.approx(ref[-1].max().item(), abs=1e-4)
+    assert list(decode.tokens) == hf_greedy(model_dir, other, 2)[1:] and not decode.prompt_logprobs
+
+
 def _sampled(seed: int, temperature: float = 0.9) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=temperature, top_k=40, seed=seed)
 
@@ -193,6 +219,17 @@ def test_bad_requests_change_nothing(stub, model_dir):
         ([entry(41, 250, [1] * 7, emit=False)], "max_model_len"),
         ([entry(41, 250, [1] * 6)], "no room"),  # the emitted token would be position 256
         ([entry(41, 0, [1, 2], logprobs=21)], f"{e1}.logprobs"),
+        ([target_pb2.StepEntry(seq_id=41, tokens=[1, 2], emit=True, prompt_logprobs=21)], f"{e1}.prompt_logprobs"),
+        ([target_pb2.StepEntry(seq_id=41, tokens=[1, 2], emit=False, prompt_logprobs=1)],
+         f"{e1}.next_prompt_token"),
+        ([target_pb2.StepEntry(seq_id=41, tokens=[1, 2], emit=False, next_prompt_token=3)],
+         "only with prompt_logprobs"),
+        ([target_pb2.StepEntry(seq_id=41, tokens=[1, 2], emit=True, prompt_logprobs=1, next_prompt_token=3)],
+         f"{e1}.next_prompt_token"),
+        ([target_pb2.StepEntry(seq_id=41, tokens=[1, 2], emit=False, prompt_logprobs=1, next_prompt_token=VOCAB)],
+         f"{e1}.next_prompt_token"),
+        ([target_pb2.StepEntry(seq_id=41, tokens=[1, 2, 3], emit=True, num_draft_tokens=2, prompt_logprobs=1)],
+         f"{e1}.prompt_logprobs"),
         ([entry(41, 0, [1, 2, 3], k=2, sampling=_sampled(1))], f"{e1}.draft_probs"),
         ([entry(41, 0, [1, 2, 3], k=2, sampling=_sampled(1), draft_probs=_dists([2]))], f"{e1}.draft_probs"),
         ([one_draft([2, 3], [1.0])], f"{e1}.draft_probs[0]"),
