@@ -5,6 +5,7 @@ that cannot fit the model is refused from its length in bytes before any of it i
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +58,10 @@ class TextCodec:
 
     async def _run(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def decode(self, ids: list[int]) -> str:
+        """Text of token ids as an answer shows it (special tokens skipped): an echoed prompt of ids."""
+        return await self._run(functools.partial(self.tokenizer.decode, skip_special_tokens=True), ids)
 
     def decode_one(self, ids: list[int]) -> str:
         """Tokens' own text, as logprobs show it."""

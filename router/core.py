@@ -49,6 +49,7 @@ class Request:
     max_tokens: int | None = None  # None: until EOS or the end of the model's context
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top-n alternatives per token; None = no logprobs
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs too (echo), top-n; None = not asked
     max_speculative_tokens: int | None = None  # per-request cap on k; 0 = no speculation
     ignore_eos: bool = False
     tandem_metrics: bool = False  # report this request's figures (router.request_stats) with its usage
@@ -94,6 +95,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     index: int = 0  # which of the request's n choices
+    prompt_logprobs: list[TokenLogprob] | None = None  # first Delta: prompt tokens 1.. (Request.prompt_logprobs)
 
 
 class SeqStatus(enum.Enum):

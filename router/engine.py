@@ -153,7 +153,7 @@ class RouterEngine:
         if n >= limit:
             raise RequestError("prompt", f"{n} tokens leave no room to generate within max_model_len {limit}")
         if req.max_tokens is not None:
-            if req.max_tokens < 1:
+            if req.max_tokens < (0 if req.prompt_logprobs is not None else 1):  # 0: the prompt's logprobs alone
                 raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
             if n + req.max_tokens > limit:
                 raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds "
@@ -163,6 +163,10 @@ class RouterEngine:
             raise RequestError("stop", "stop strings must not be empty")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if req.prompt_logprobs is not None and req.n > 1:
+            raise RequestError("n", "the prompt's logprobs (echo) come with n = 1 only")
         if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
             raise RequestError("max_speculative_tokens", "must be >= 0")
         ids = [t for t, _ in req.sampling.logit_bias] + list(req.sampling.stop_token_ids)

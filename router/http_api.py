@@ -154,9 +154,12 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         try:
             body = await parse(request, CompletionBody)
             request_id = f"cmpl-{uuid.uuid4().hex}"
+            prompts = body.prompts()
             reqs = [body.to_request(request_id, await engine.encode(p) if isinstance(p, str) else p,
-                                    engine.sampling_defaults) for p in body.prompts()]
-            fmt = CompletionFormat(engine.codec.decode_one, model_name, reqs[0], body.return_token_ids)
+                                    engine.sampling_defaults) for p in prompts]
+            echo = [(p if isinstance(p, str) else await engine.codec.decode(p), r.prompt_ids)
+                    for p, r in zip(prompts, reqs, strict=True)] if body.echo else None
+            fmt = CompletionFormat(engine.codec.decode_one, model_name, reqs[0], body.return_token_ids, echo=echo)
             return await respond(request, body, engine.submit(reqs[0]) if len(reqs) == 1 else engine.submit_all(reqs),
                                  fmt)
         except _HTTPError as e:

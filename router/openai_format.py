@@ -45,10 +45,12 @@ class CompletionFormat:
     chunk_name = "text_completion"
 
     def __init__(self, decode, model: str, req: Request, token_ids: bool,  # noqa: ANN001
-                 metrics: Callable[[], dict[str, Any]] | None = None) -> None:
+                 metrics: Callable[[], dict[str, Any]] | None = None,
+                 echo: list[tuple[str, list[int]]] | None = None) -> None:
         self.decode, self.model, self.req, self.created = decode, model, req, int(time.time())
         self.token_ids = token_ids
         self.metrics = metrics  # usage.tandem_metrics, read when the usage is written
+        self.echo = echo  # per prompt, its text and ids: each choice's text (and logprobs) start with them
         self._started: set[int] = set()  # choices whose first chunk was written
 
     def _usage(self, deltas: list[Delta]) -> dict:
@@ -62,22 +64,33 @@ class CompletionFormat:
             choice["token_ids"] = [t for d in deltas for t in d.token_ids]
         return choice
 
-    def _logprobs(self, deltas: list[Delta]) -> dict | None:
+    def _logprobs(self, deltas: list[Delta], prompt_ids: list[int] | None = None) -> dict | None:
+        """prompt_ids: echoed, the prompt's tokens come first, the first without a logprob (as OpenAI's)."""
         if self.req.logprobs is None:
             return None
         lps = [lp for d in deltas for lp in (d.logprobs or [])]
         dec = self.decode
-        return {"tokens": [dec([lp.token_id]) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [_top_by_text(lp.top, dec) for lp in lps]}
+        out = {"tokens": [dec([lp.token_id]) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+               "top_logprobs": [_top_by_text(lp.top, dec) for lp in lps]}
+        if prompt_ids is None:
+            return out
+        scored = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), [])
+        assert [lp.token_id for lp in scored] == prompt_ids[1:len(scored) + 1], "logprobs of this prompt"
+        return {"tokens": [dec([t]) for t in prompt_ids] + out["tokens"],
+                "token_logprobs": [None, *(lp.logprob for lp in scored)] + out["token_logprobs"],
+                "top_logprobs": [None, *(_top_by_text(lp.top, dec) for lp in scored)] + out["top_logprobs"]}
 
     def _base(self, choices: list[dict], obj: str) -> dict:
         return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
     def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
-        text = "".join(d.text for d in deltas)
-        return {"index": deltas[-1].index, "text": text, "logprobs": self._logprobs(deltas),
-                "finish_reason": _finish(deltas[-1])}
+        index = deltas[-1].index
+        echoed = self.echo is not None and (not streamed or index not in self._started)
+        self._started.add(index)
+        prompt_text, prompt_ids = self.echo[index // self.req.n] if echoed else ("", None)  # type: ignore[index]
+        return {"index": index, "text": prompt_text + "".join(d.text for d in deltas),
+                "logprobs": self._logprobs(deltas, prompt_ids), "finish_reason": _finish(deltas[-1])}
 
     def chunk(self, d: Delta) -> dict:
         return self._base([self._with_ids(self._choice([d], True), [d])], self.chunk_name)

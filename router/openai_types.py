@@ -10,6 +10,7 @@ about the output (HARMLESS)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -140,8 +141,6 @@ class CompletionBody(_Common):
     def prompts(self) -> list[str | list[int]]:
         """Each prompt, a text to tokenize or token ids. Choice i of prompt p is answered as index
         p x n + i, as OpenAI and vLLM number them."""
-        if self.echo:
-            raise RequestError("echo", "echo is not supported")
         if self.suffix:
             raise RequestError("suffix", "suffix is not supported")
         prompts: list = [self.prompt] if isinstance(self.prompt, str) or isinstance(self.prompt[0], int) \
@@ -156,8 +155,14 @@ class CompletionBody(_Common):
         return prompts
 
     def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams) -> Request:
+        """echo with logprobs: the prompt tokens' logprobs too (max_tokens 0: those alone, as in evals)."""
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self._request(request_id, prompt_ids, defaults, self.logprobs, max_tokens)
+        req = self._request(request_id, prompt_ids, defaults, self.logprobs, max_tokens)
+        if self.echo and self.logprobs is not None:
+            req = replace(req, prompt_logprobs=self.logprobs)
+        elif max_tokens == 0:
+            raise RequestError("max_tokens", "0 only with echo and logprobs (the prompt's logprobs alone)")
+        return req
 
 
 class ChatMessage(BaseModel):

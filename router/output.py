@@ -39,6 +39,18 @@ class OutputBuilder:
         self._sent_tokens = 0
         self._cut = False  # a stop string matched: the text ends at it
         self.chars_scanned = 0  # stop-string search work, for the linearity test
+        self._prompt_logprobs: dict[int, TokenLogprob] = {}  # position -> logprob of the prompt token there
+        self._prompt_sent = False  # the first Delta went out (it carries the prompt's logprobs)
+
+    def scored(self, start: int, logprobs: list[TokenLogprob]) -> None:
+        """Logprobs of prompt tokens start, start + 1, ... (a recomputed chunk scores them again, alike)."""
+        for i, lp in enumerate(logprobs):
+            self._prompt_logprobs[start + i] = lp
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token but the first has its logprob (what Request.prompt_logprobs asks for)."""
+        return len(self._prompt_logprobs) >= len(self.request.prompt_ids) - 1
 
     def add(self, token_ids: list[int], logprobs: list[TokenLogprob] | None,
             last: bool = False) -> tuple[list[int], Delta | None]:
@@ -47,7 +59,9 @@ class OutputBuilder:
         assert self.finish_reason is None
         kept: list[int] = []
         out: list[str] = []
-        for tok in token_ids:
+        if self.max_tokens == 0:  # echo of the prompt alone: the token its last chunk emitted is not output
+            self.finish_reason = FinishReason.LENGTH
+        for tok in token_ids if self.finish_reason is None else ():
             if tok in self.eos_ids:
                 self.finish_reason = FinishReason.STOP
                 break
@@ -105,10 +119,13 @@ class OutputBuilder:
         new_tokens = self.output_ids[self._sent_tokens:]
         if not text and not new_tokens and self.finish_reason is None:
             return None
-        self._sent_tokens = len(self.output_ids)
+        first = not self._prompt_sent and self.request.prompt_logprobs is not None
+        assert not first or self.prompt_scored, "the prompt is scored by the time it yields a token"
+        self._sent_tokens, self._prompt_sent = len(self.output_ids), True
         return Delta(token_ids=new_tokens, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
                      completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
-                     index=self.index)
+                     index=self.index, prompt_logprobs=[self._prompt_logprobs[p] for p in
+                                                        range(1, len(self.request.prompt_ids))] if first else None)
 
     def abort(self, reason: FinishReason, error: Exception | None = None) -> Delta:
         self.finish_reason = reason

@@ -120,9 +120,11 @@ class PrefixMirror:
 
 def attachable(seq: Sequence) -> bool:
     """Sequences whose services keep state from position 0 beside the KV (a grammar matcher, the
-    history penalties count) or that share their prompt by fork (n > 1) compute their prompts in full."""
+    history penalties count), that share their prompt by fork (n > 1) or that want every prompt
+    token's logprob (echo) compute their prompts in full."""
     r = seq.request
-    return not r.grammar and not r.sampling.processed and seq.fork_parent is None and not seq.forks
+    return not r.grammar and not r.sampling.processed and seq.fork_parent is None and not seq.forks \
+        and r.prompt_logprobs is None
 
 
 class PrefixCaches:

@@ -3,11 +3,13 @@ of its answer as the router's type."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from router.core import SeqStatus, Sequence, TokenLogprob
 from router.metrics import Metrics
 from router.scheduler import StepPlan
 from router.speculation import Proposal
-from tandem.v1 import target_pb2
+from tandem.v1 import common_pb2, target_pb2
 
 
 def step_entries(plan: StepPlan, matched: dict[int, Proposal],
@@ -32,11 +34,16 @@ def step_entries(plan: StepPlan, matched: dict[int, Proposal],
             prompt_len=seq.num_prompt))
         sent.append(drafts)
     for c in plan.chunks:
-        entries.append(target_pb2.StepEntry(
+        entry = target_pb2.StepEntry(
             seq_id=c.seq.seq_id, start_pos=c.start, tokens=c.seq.tokens[c.start:c.end], emit=c.emit,
             sampling=c.seq.request.sampling_proto, logprobs=logprobs_wanted(c.seq), prompt_len=c.seq.num_prompt,
             prefix_block_hashes=c.attach,
-            token_masks=c.seq.grammar.masks([])[1] if c.emit and c.seq.grammar is not None else []))
+            token_masks=c.seq.grammar.masks([])[1] if c.emit and c.seq.grammar is not None else [])
+        if scores_prompt(c.seq):
+            entry.prompt_logprobs = c.seq.request.prompt_logprobs  # type: ignore[assignment]
+            if not c.emit:
+                entry.next_prompt_token = c.seq.tokens[c.end]
+        entries.append(entry)
         metrics.prompt_tokens_computed.inc(c.end - c.start)
         if c.emit:
             siblings.extend(s for s in c.seq.forks if s.waits_for_fork and s.status is SeqStatus.RUNNING)
@@ -54,8 +61,22 @@ def logprobs_wanted(seq: Sequence) -> int:
     return -1 if seq.request.logprobs is None else seq.request.logprobs
 
 
+def scores_prompt(seq: Sequence) -> bool:
+    """Whether seq's prompt chunks ask for their prompt tokens' logprobs: echo asked for them, and its
+    first token is not out yet (a recompute after that has nothing to add)."""
+    return seq.request.prompt_logprobs is not None and seq.output is not None and not seq.output.prompt_scored
+
+
 def logprobs_of(res: target_pb2.EntryResult) -> list[TokenLogprob] | None:
     if not res.logprobs:
         return None
+    return _converted(res.logprobs)
+
+
+def _converted(lps: Iterable[common_pb2.TokenLogprob]) -> list[TokenLogprob]:
     return [TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
-            for lp in res.logprobs]
+            for lp in lps]
+
+
+def prompt_logprobs_of(res: target_pb2.EntryResult) -> list[TokenLogprob]:
+    return _converted(res.prompt_logprobs)

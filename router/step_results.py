@@ -11,7 +11,7 @@ from router.core import Sequence, TokenLogprob
 from router.metrics import Metrics
 from router.scheduler import StepPlan
 from router.speculator import Speculator
-from router.step_entries import logprobs_of
+from router.step_entries import logprobs_of, prompt_logprobs_of
 from tandem.v1 import target_pb2
 
 
@@ -41,6 +41,9 @@ class StepResults:
             if c.seq.finished:
                 continue
             c.seq.target_cached = res.cached_len
+            if res.prompt_logprobs:
+                assert c.seq.output is not None
+                c.seq.output.scored(c.start + 1, prompt_logprobs_of(res))  # position i scores token i + 1
             if c.emit:
                 self.spec.observe_outcome(c.seq, 0, 0, res.tokens[-1])
                 self._emit(c.seq, list(res.tokens), logprobs_of(res))

@@ -220,6 +220,46 @@ def test_completion_logprobs_match_transformers(stack):
     assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-5)
 
 
+LONG_IDS = [(7 * j) % 300 + 2 for j in range(150)]  # prefilled in three chunks (64-token steps)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(stack):
+    """What an eval harness asks (echo, logprobs, max_tokens 0): the prompt's text and every prompt
+    token's logprob but the first (null, as OpenAI's), from the target's chunks; with max_tokens > 0
+    the answer follows, its logprobs as without echo."""
+    router, tok, target_dir = stack["router"], stack["tok"], stack["dirs"][0]
+    r = post(router.url, "/v1/completions", prompt=LONG_IDS, echo=True, logprobs=2, max_tokens=0)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == dec(tok, LONG_IDS) and choice["token_ids"] == [] and choice["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 0
+    assert lp["tokens"] == [dec(tok, [t]) for t in LONG_IDS] and lp["token_logprobs"][0] is None
+    ref = torch.log_softmax(hf_logits(target_dir, LONG_IDS).double(), -1)
+    want = ref[torch.arange(len(LONG_IDS) - 1), torch.tensor(LONG_IDS[1:])]
+    assert torch.allclose(torch.tensor(lp["token_logprobs"][1:], dtype=torch.double), want, atol=1e-3)
+    assert lp["top_logprobs"][0] is None
+    for pos, top in enumerate(lp["top_logprobs"][1:]):
+        assert max(top.values()) == pytest.approx(ref[pos].max().item(), abs=1e-3)
+
+    plain = post(router.url, "/v1/completions", prompt=TEXT_PROMPT, max_tokens=5, logprobs=1).json()["choices"][0]
+    echoed = post(router.url, "/v1/completions", prompt=TEXT_PROMPT, max_tokens=5, logprobs=1, echo=True)
+    choice = echoed.json()["choices"][0]
+    prompt = encode(tok, TEXT_PROMPT)
+    assert choice["text"] == TEXT_PROMPT + plain["text"] and choice["token_ids"] == plain["token_ids"]
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt) + 5
+    assert choice["logprobs"]["token_logprobs"][len(prompt):] == pytest.approx(
+        plain["logprobs"]["token_logprobs"], abs=1e-5)
+    # echo alone (no logprobs) only prepends the text; streamed, each choice's first chunk carries it
+    alone = post(router.url, "/v1/completions", prompt=TEXT_PROMPT, max_tokens=5, echo=True).json()["choices"][0]
+    assert alone["text"] == choice["text"] and alone["logprobs"] is None
+    chunks = sse(router.url, "/v1/completions", prompt=[TEXT_PROMPT, "x = 1\n"], max_tokens=5, echo=True)
+    for index, head in ((0, TEXT_PROMPT), (1, "x = 1\n")):
+        texts = [e["choices"][0]["text"] for e in chunks if e["choices"][0]["index"] == index]
+        assert texts[0].startswith(head) and not any(t.startswith(head) for t in texts[1:] if t)
+    assert "".join(e["choices"][0]["text"] for e in chunks if e["choices"][0]["index"] == 0) == choice["text"]
+
+
 def test_final_text_has_every_token(stack, channel):
     """The text of a finished request is the decode of all its tokens, at every door, including the
     tokens of the step that finished it (by max_tokens, or by EOS)."""
@@ -462,7 +502,10 @@ BAD = {
     "token-id-beyond-vocab": ("/v1/completions", {**OK, "prompt": [5, 6, 10**6]}, 400, "prompt", "prompt", None),
     "token-id-negative": ("/v1/completions", {**OK, "prompt": [5, -1]}, 400, "prompt", "prompt", None),
     "seed-negative": ("/v1/completions", {**OK, "seed": -1}, 400, "seed", "seed", None),
-    "echo": ("/v1/completions", {**OK, "echo": True}, 400, "echo", "echo", None),
+    "echo-n-2": ("/v1/completions", {**OK, "echo": True, "logprobs": 1, "n": 2}, 400, "n = 1", "n", None),
+    "max_tokens-0-without-echo": ("/v1/completions", {**OK, "max_tokens": 0, "logprobs": 1}, 400, "echo",
+                                  "max_tokens", None),
+    "suffix": ("/v1/completions", {**OK, "suffix": "x"}, 400, "suffix", "suffix", None),
     "prompts-one-empty": ("/v1/completions", {**OK, "prompt": ["hi", ""]}, 400, "prompt", "prompt", None),
     "prompts-of-mixed-kinds": ("/v1/completions", {**OK, "prompt": ["hi", [5, 6]]}, 400, "one kind", "prompt",
                                None),
