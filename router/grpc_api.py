@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 from common.logs import bind
 from common.sampling import SamplingParams
 from common.tracing import extract
-from router.core import Delta, Overloaded, Request, RequestError, ServiceUnavailable
+from router.core import Delta, Overloaded, Request, RequestError, ServiceUnavailable, TokenLogprob
 from router.engine import RequestStream, RouterEngine
 from router.request_stats import report
 from router.structured import Constraint
@@ -50,6 +50,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
             max_speculative_tokens=msg.max_speculative_tokens if msg.HasField("max_speculative_tokens") else None,
             ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics, constraint=_constraint(msg),
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         )
 
     async def _submit(self, msg: generate_pb2.GenerateRequest | Undecodable,
@@ -102,16 +103,20 @@ async def _check(delta: Delta, context: grpc.aio.ServicerContext) -> None:
         await context.abort(*_status(delta.error))
 
 
+def _wire(lps: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                                    top_logprobs=[v for _, v in lp.top]) for lp in lps]
+
+
 def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> generate_pb2.GenerateResponse:
     last = deltas[-1] if deltas else None
     final = last is not None and last.finish_reason is not None
     metrics = generate_pb2.RequestMetrics(**report(stream.seq)) if final and req.tandem_metrics else None
-    lps = [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                   top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
-           for d in deltas for lp in (d.logprobs or [])]
     return generate_pb2.GenerateResponse(
         request_id=req.request_id, text="".join(d.text for d in deltas),
-        token_ids=[t for d in deltas for t in d.token_ids], logprobs=lps,
+        token_ids=[t for d in deltas for t in d.token_ids],
+        logprobs=_wire([lp for d in deltas for lp in d.logprobs or []]),
+        prompt_logprobs=_wire([lp for d in deltas for lp in d.prompt_logprobs or []]),
         finish_reason=last.finish_reason.value if last and last.finish_reason else "",
         prompt_tokens=len(req.prompt_ids), completion_tokens=last.completion_tokens if last else 0,
         tandem_metrics=metrics,

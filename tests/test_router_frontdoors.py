@@ -664,6 +664,17 @@ def test_grpc_generate_streaming_and_unary_match_transformers(stack, channel):
     one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=40, stop=[stop],
                                                           ignore_eos=True, sampling=GREEDY_PB), timeout=60)
     assert one.text == expected and one.finish_reason == "stop"
+    # the prompt's logprobs: on the first message, one per prompt token but the first
+    ref = torch.log_softmax(hf_logits(target_dir, LONG_IDS).double(), -1)
+    msgs = list(stub.Generate(generate_pb2.GenerateRequest(prompt_token_ids=LONG_IDS, max_tokens=3, prompt_logprobs=1,
+                                                           ignore_eos=True, sampling=GREEDY_PB), timeout=60))
+    assert [lp.token_id for lp in msgs[0].prompt_logprobs] == LONG_IDS[1:]
+    assert [lp.logprob for lp in msgs[0].prompt_logprobs] == pytest.approx(
+        ref[torch.arange(len(LONG_IDS) - 1), torch.tensor(LONG_IDS[1:])].tolist(), abs=1e-3)
+    assert all(not m.prompt_logprobs for m in msgs[1:])
+    alone = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=LONG_IDS, max_tokens=0,
+                                                            prompt_logprobs=0), timeout=60)
+    assert len(alone.prompt_logprobs) == len(LONG_IDS) - 1 and not alone.token_ids and alone.finish_reason == "length"
 
 
 GRPC_BAD = {
@@ -677,6 +688,7 @@ GRPC_BAD = {
     "top_k-negative": (dict(prompt_token_ids=[5], sampling=common_pb2.SamplingParams(top_k=-2)), "top_k"),
     "logprobs-99": (dict(prompt_token_ids=[5], logprobs=99), "logprobs"),
     "zero-max_tokens": (dict(prompt_token_ids=[5], max_tokens=0), "max_tokens"),  # was read as "default"
+    "prompt_logprobs-21": (dict(prompt_token_ids=[5], prompt_logprobs=21), "prompt_logprobs"),
     "zero-top_p": (dict(prompt_token_ids=[5], sampling=common_pb2.SamplingParams(top_p=0.0)), "top_p"),
     "empty-stop-string": (dict(prompt_token_ids=[5], stop=["x", ""]), "stop"),
 }
