@@ -73,11 +73,23 @@ class ChatFormatter:
         log.info("chat template: %s", source)
         return cls(template, special, source)
 
-    def render(self, messages: list[tuple[str, str]], **extra: object) -> str:
+    def render(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **extra: object) -> str:
+        """continue_final_message (vLLM's, and transformers'): the prompt ends inside the last message,
+        an assistant's, so the model writes on from its text (everything after it is cut)."""
         if self.template is None:
-            return "".join(_plain_turn(role, content) for role, content in messages) + FALLBACK_GENERATION_PROMPT
-        return self.template.render(messages=[{"role": r, "content": c} for r, c in messages],
-                                    add_generation_prompt=True, **self.special_tokens, **extra)
+            text = "".join(_plain_turn(role, content) for role, content in messages)
+            text += FALLBACK_GENERATION_PROMPT if add_generation_prompt else ""
+        else:
+            text = self.template.render(messages=[{"role": r, "content": c} for r, c in messages],
+                                        add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra)
+        if not continue_final_message:
+            return text
+        final = messages[-1][1].rstrip()
+        end = text.rfind(final)
+        if not final or end < 0:
+            raise ValueError("the final message's text is not in the rendered prompt: it cannot be continued")
+        return text[:end + len(final)]
 
 
 FALLBACK_GENERATION_PROMPT = "assistant:"

@@ -41,6 +41,7 @@ class TextCodec:
 
     async def encode_chat(self, messages: list[tuple[str, str]], max_tokens: int,
                           extra: dict | None = None) -> list[int]:
+        """extra: ChatFormatter.render's options (add_generation_prompt, continue_final_message)."""
         self.check_size("".join(content for _, content in messages), max_tokens, "messages")
         return await self._run(self._encode_chat, messages, extra or {})
 

@@ -1,9 +1,9 @@
-"""HTTP front door (FastAPI): OpenAI-compatible completions and chat (SSE streaming), models,
-health, readiness and Prometheus metrics. Errors use OpenAI's shape and name the bad field.
+"""HTTP front door (FastAPI): OpenAI-compatible completions and chat (SSE streaming), vLLM's
+tokenize and detokenize, models, health, readiness and Prometheus metrics. Errors use OpenAI's
+shape and name the bad field.
 
-Nothing heavy runs on the event loop: the body is read with a hard byte limit (413 as soon as it
-is crossed, the rest drained unkept so the client can read the answer), large bodies are parsed
-and every prompt is tokenized on the codec's thread pool."""
+Nothing heavy runs on the event loop: the body is read with a hard byte limit (router.http_body),
+large bodies are parsed and every prompt is tokenized on the codec's thread pool."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import asyncio
 import functools
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,32 +18,18 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from common.logs import bind
 from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
 from router.engine import RequestStream, RouterEngine
+from router.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
 from router.openai_format import ChatFormat, CompletionFormat
-from router.openai_types import HARMLESS, ChatBody, CompletionBody, _Common
+from router.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, template_options
 from router.request_stats import report
 from router.tracing import RouterTracer
 
 log = logging.getLogger(__name__)
-
-DRAIN_LIMIT_BYTES = 1 << 30  # past this an oversized body is cut off (connection closed) instead of drained
-_PARSE_OFF_LOOP_BYTES = 256 * 2**10
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # JSON's only way to write a surrogate
-
-
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-          headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
-                        headers=headers)
-
-
-class _HTTPError(Exception):
-    def __init__(self, response: JSONResponse) -> None:
-        self.response = response
 
 
 def public_error(err: Exception) -> tuple[int, dict]:
@@ -67,61 +52,6 @@ def error_response(err: Exception) -> JSONResponse:
     return JSONResponse(body, status)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    too_big = _HTTPError(error(413, f"body larger than {limit} bytes", headers={"Connection": "close"}))
-    size = request.headers.get("content-length")
-    if size is not None and not size.isdigit():
-        raise _HTTPError(error(400, "invalid Content-Length"))
-    if size is not None and int(size) > limit:
-        if request.headers.get("expect", "").lower() != "100-continue":  # else the client has not sent it
-            await _drain(request, int(size))
-        raise too_big
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            await _drain(request, total)
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _drain(request: Request, seen: int) -> None:
-    """Read and drop the rest of an oversized body: a server that closes the connection while the
-    client is still sending makes the client see a reset instead of the 413."""
-    try:
-        async for chunk in request.stream():
-            seen += len(chunk)
-            if seen > DRAIN_LIMIT_BYTES:
-                return
-    except Exception:  # noqa: BLE001 - the client went away: nothing to answer
-        return
-
-
-def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise _HTTPError(error(400, "body is not valid UTF-8")) from None
-    except json.JSONDecodeError as err:
-        raise _HTTPError(error(400, f"malformed JSON: {err}")) from None
-    if not isinstance(data, dict):
-        raise _HTTPError(error(400, "body must be a JSON object"))
-    bad = _unpaired_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
-    if bad is not None:
-        raise _HTTPError(error(400, f"{bad or 'body'}: a string holds an unpaired UTF-16 surrogate escape (such as "
-                                    f"\\ud800), which is no Unicode text", bad or None))
-    unknown = model.unsupported(data) if issubclass(model, _Common) else []
-    if unknown:
-        raise _HTTPError(error(400, f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
-                                    f"(Tandem does not implement {'them' if len(unknown) > 1 else 'it'})", unknown[0]))
-    try:
-        return model.model_validate({k: v for k, v in data.items() if k not in HARMLESS})
-    except ValidationError as err:
-        loc, msg = _describe(err.errors())
-        raise _HTTPError(error(400, f"{loc}: {msg}", loc or None)) from None
-
-
 def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
     app = FastAPI(title="Tandem", description="Speculative decoding with chunked prefill, as a service",
                   telemetry=_telemetry(engine.config.tracer))
@@ -138,15 +68,15 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
 
     async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raw = await read_body(request, engine.config.max_body_bytes)
-        if len(raw) > _PARSE_OFF_LOOP_BYTES:
+        if len(raw) > PARSE_OFF_LOOP_BYTES:
             body = await asyncio.get_running_loop().run_in_executor(None, parse_json, raw, model)
         else:
             body = parse_json(raw, model)
         if body.model != model_name:
-            raise _HTTPError(error(404, f"model {body.model!r} not found; this server serves {model_name!r}",
+            raise Refusal(error(404, f"model {body.model!r} not found; this server serves {model_name!r}",
                                    "model", "not_found_error"))
         if not engine.ready:
-            raise _HTTPError(error(503, "not ready: the target service is unavailable", kind="unavailable"))
+            raise Refusal(error(503, "not ready: the target service is unavailable", kind="unavailable"))
         return body
 
     @app.post("/v1/completions")
@@ -162,7 +92,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             fmt = CompletionFormat(engine.codec.decode_one, model_name, reqs[0], body.return_token_ids, echo=echo)
             return await respond(request, body, engine.submit(reqs[0]) if len(reqs) == 1 else engine.submit_all(reqs),
                                  fmt)
-        except _HTTPError as e:
+        except Refusal as e:
             return e.response
         except (RequestError, Overloaded, ServiceUnavailable) as e:
             return error_response(e)
@@ -171,11 +101,11 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         try:
             body = await parse(request, ChatBody)
-            ids = await engine.encode_chat(body.conversation())
+            ids = await engine.encode_chat(body.conversation(), **body.template_options())
             req = body.to_request(f"chatcmpl-{uuid.uuid4().hex}", ids, engine.sampling_defaults)
             fmt = ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids)
             return await respond(request, body, engine.submit(req), fmt)
-        except _HTTPError as e:
+        except Refusal as e:
             return e.response
         except (RequestError, Overloaded, ServiceUnavailable) as e:
             return error_response(e)
@@ -222,6 +152,31 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             return error_response(deltas[-1].error)
         return JSONResponse(fmt.whole(deltas))
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's: the ids a prompt (or chat messages) becomes, as the doors encode it."""
+        try:
+            body = (await parse(request, TokenizeBody)).checked()
+            ids = await engine.encode(body.prompt) if body.prompt is not None else await engine.encode_chat(
+                [(m.role, m.text()) for m in body.messages],
+                **template_options(body.messages, body.add_generation_prompt, body.continue_final_message))
+            return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+        except Refusal as e:
+            return e.response
+        except RequestError as e:
+            return error_response(e)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = await parse(request, DetokenizeBody)
+            vocab = engine.target_info.vocab_size if engine.target_info else 0
+            if any(not 0 <= t < vocab for t in body.tokens):
+                return error(400, f"tokens: token ids must be in [0, {vocab})", "tokens")
+            return JSONResponse({"prompt": await engine.codec.decode(body.tokens)})
+        except Refusal as e:
+            return e.response
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
@@ -257,40 +212,3 @@ def _telemetry(tracer: RouterTracer | None) -> dict:
         return {"tracing": False, "metrics": False, "logs": False}
     return {"tracer_provider": tracer.tracing.provider, "metrics": False, "logs": False, "operation_spans": False,
             "exclude": lambda scope: scope.get("path") in ("/metrics", "/health", "/ready")}
-
-
-def _unpaired_surrogate(value: object, path: str = "") -> str | None:
-    """The path of the first string (key or value) that JSON decoded with a lone surrogate: "\\ud800"
-    is valid JSON but no text (tokenizing it raised UnicodeEncodeError, a 500). None: there is none."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        inner = f"{path}.{key}" if path else str(key)
-        for part in (key, item) if isinstance(key, str) else (item,):
-            found = _unpaired_surrogate(part, inner)
-            if found is not None:
-                return found
-    return None
-
-
-def _describe(errors: list[dict]) -> tuple[str, str]:
-    """(field path, message) of the first bad field. A union field (temperature: float | int) fails
-    once per member, each loc tagged with the member ("temperature", "float"): the field is the
-    locs' common prefix, and the message the most specific member's (deepest, then not a mere type
-    mismatch), so an empty prompt list says "at least 1 item", not "a valid string"."""
-    head = errors[0].get("loc", ())[:1]
-    same = [e for e in errors if e.get("loc", ())[:1] == head]
-    path = list(same[0].get("loc", ()))
-    for e in same[1:]:
-        loc = e.get("loc", ())
-        n = 0
-        while n < min(len(path), len(loc)) and path[n] == loc[n]:
-            n += 1
-        path = path[:n]
-    best = min(same, key=lambda e: (-len(e.get("loc", ())), str(e.get("type", "")).endswith("_type")))
-    return ".".join(str(p) for p in path), str(best.get("msg")).removeprefix("Value error, ")

@@ -187,9 +187,14 @@ class ChatBody(_Common):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True  # vLLM's: end the prompt with the assistant's turn opening
+    continue_final_message: StrictBool = False  # vLLM's: write on from the last (assistant) message's text
 
     def conversation(self) -> list[tuple[str, str]]:
         return [(m.role, m.text()) for m in self.messages]
+
+    def template_options(self) -> dict[str, bool]:
+        return template_options(self.messages, self.add_generation_prompt, self.continue_final_message)
 
     def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams) -> Request:
         """max_tokens unset: until EOS or the end of the context, as OpenAI's chat API does."""
@@ -200,3 +205,39 @@ class ChatBody(_Common):
             raise RequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._request(request_id, prompt_ids, defaults, logprobs, max_tokens)
+
+
+def template_options(messages: list[ChatMessage], add_generation_prompt: bool,
+                     continue_final_message: bool) -> dict[str, bool]:
+    """ChatFormatter.render's options, checked: continuing the last message needs it to be the
+    assistant's, and no new turn opened after it."""
+    if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
+        raise RequestError("continue_final_message", "needs add_generation_prompt: false and an assistant message "
+                                                     "last")
+    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    def checked(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("prompt", "give prompt or messages, one of them")
+        if self.messages is not None:
+            template_options(self.messages, self.add_generation_prompt, self.continue_final_message)
+        return self
+
+
+class DetokenizeBody(BaseModel):
+    """vLLM's /detokenize: token ids to text, as an answer shows it (special tokens skipped)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr
+    tokens: list[StrictInt]

@@ -362,8 +362,41 @@ def test_chat_with_template_router(stack, tmp_path):
         # the template's raise_exception becomes a 400 naming messages
         r = post(router.url, "/v1/chat/completions", messages=[{"role": "tool", "content": "x"}], max_tokens=2)
         assert_error(r, 400, "tool messages are not supported", "messages")
+        # vLLM's template options, as transformers renders them: no turn opened, or the last one continued
+        started = [*msgs, {"role": "assistant", "content": "Sure, here"}]
+        for options in ({"add_generation_prompt": False}, {"add_generation_prompt": False,
+                                                           "continue_final_message": True}):
+            want = hf.apply_chat_template(started, tokenize=True, return_dict=False, **options)
+            want = want["input_ids"] if isinstance(want, dict) else want
+            r = post(router.url, "/v1/chat/completions", messages=started, max_tokens=4, **options)
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(target_dir, want, 4)
+        r = post(router.url, "/v1/chat/completions", messages=msgs, max_tokens=2, continue_final_message=True,
+                 add_generation_prompt=False)
+        assert_error(r, 400, "assistant message last", "continue_final_message")
     finally:
         router.stop()
+
+
+def test_tokenize_and_detokenize_as_the_doors_do(stack):
+    """vLLM's /tokenize gives the ids the completions and chat doors compute from (their usage counts
+    them), /detokenize the text an answer of those ids shows."""
+    url, tok = stack["router"].url, stack["tok"]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for body, door in (({"prompt": TEXT_PROMPT}, "/v1/completions"), ({"messages": msgs}, "/v1/chat/completions")):
+        r = httpx.post(f"{url}/tokenize", json={"model": "tiny", **body}, timeout=30)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        used = post(url, door, **body, max_tokens=1).json()["usage"]["prompt_tokens"]
+        assert out["count"] == len(out["tokens"]) == used and out["max_model_len"] == MAX_MODEL_LEN
+    ids = encode(tok, TEXT_PROMPT)
+    r = httpx.post(f"{url}/detokenize", json={"model": "tiny", "tokens": ids}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"prompt": dec(tok, ids)}
+    assert_error(httpx.post(f"{url}/detokenize", json={"model": "tiny", "tokens": [1, 10**6]}), 400, "tokens", "tokens")
+    assert_error(httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "a", "messages": msgs}), 400,
+                 "prompt or messages", "prompt")
+    assert_error(httpx.post(f"{url}/tokenize", json={"model": "gpt-9", "prompt": "a"}), 404, "gpt-9", "model",
+                 "not_found_error")
 
 
 # ---- HTTP: models, health, readiness, metrics ----------------------------------------------------
