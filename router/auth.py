@@ -2,10 +2,10 @@
 
 Keys (--api-key, --api-key-file) are held only as SHA-256 digests and compared in constant time;
 no key, right or wrong, is ever logged or echoed. The key file is re-read when it changes (or on
-SIGHUP), so keys rotate without a restart. With keys on, every /v1/* route (and /metrics with
---metrics-require-key) needs `Authorization: Bearer KEY`, and the gRPC Generate service the same
-`authorization` metadata: 401 / UNAUTHENTICATED otherwise. /health, /ready, gRPC health and
-reflection stay open.
+SIGHUP), so keys rotate without a restart. With keys on, every /v1/* route, /tokenize and
+/detokenize (and /metrics with --metrics-require-key) need `Authorization: Bearer KEY`, and the
+gRPC Generate service the same `authorization` metadata: 401 / UNAUTHENTICATED otherwise.
+/health, /ready, gRPC health and reflection stay open.
 
 Limits, each off by default, hold per client: per key, or, with keys off, one anonymous client
 for everybody. A token bucket of requests (rate, burst) and a cap on requests in flight (a stream
@@ -179,11 +179,11 @@ class Guard:
 
 # ---- HTTP: ASGI middleware -----------------------------------------------------------------------
 class HTTPGuard:
-    """Guards /v1/* (and /metrics when asked); everything else passes untouched."""
+    """Guards /v1/*, /tokenize and /detokenize (and /metrics when asked); everything else passes untouched."""
 
     def __init__(self, app: ASGIApp, guard: Guard, metrics: bool = False) -> None:
         self.app, self.guard = app, guard
-        self.prefixes = ("/v1/", "/metrics/") if metrics else ("/v1/",)
+        self.prefixes = ("/v1/", "/tokenize/", "/detokenize/") + (("/metrics/",) if metrics else ())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not (scope["path"] + "/").startswith(self.prefixes):

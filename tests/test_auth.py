@@ -130,14 +130,15 @@ def test_without_keys_every_caller_is_one_anonymous_client():
     assert guard.admit(bearer("anything")).status == 429 and guard.admit(None).status == 429
 
 
-def test_http_guard_covers_v1_and_optionally_metrics():
+def test_http_guard_covers_v1_tokenizing_and_optionally_metrics():
     async def ok(_):  # noqa: ANN001, ANN202
         return PlainTextResponse("ok")
 
-    app = Starlette(routes=[Route(p, ok) for p in ("/v1/models", "/health", "/ready", "/metrics", "/v1x")])
+    guarded = ("/v1/models", "/tokenize", "/detokenize")  # tokenizing is the codec's work, as a prompt's
+    app = Starlette(routes=[Route(p, ok) for p in (*guarded, "/health", "/ready", "/metrics", "/v1x")])
     for metrics, metrics_status in ((False, 200), (True, 401)):
         client = TestClient(HTTPGuard(app, Guard(ApiKeys([KEY]), Limits()), metrics=metrics))
-        assert client.get("/v1/models").status_code == 401
+        assert [client.get(p).status_code for p in guarded] == [401] * 3
         assert client.get("/v1/models", headers={"Authorization": bearer(KEY)}).status_code == 200
         assert [client.get(p).status_code for p in ("/health", "/ready", "/v1x")] == [200, 200, 200]
         assert client.get("/metrics").status_code == metrics_status
