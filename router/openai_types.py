@@ -155,13 +155,14 @@ class CompletionBody(_Common):
         return prompts
 
     def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams) -> Request:
-        """echo with logprobs: the prompt tokens' logprobs too (max_tokens 0: those alone, as in evals)."""
+        """echo with logprobs: the prompt tokens' logprobs too; max_tokens 0 with echo: the prompt alone
+        (with its logprobs, as eval harnesses ask)."""
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         req = self._request(request_id, prompt_ids, defaults, self.logprobs, max_tokens)
-        if self.echo and self.logprobs is not None:
-            req = replace(req, prompt_logprobs=self.logprobs)
+        if self.echo and (self.logprobs is not None or max_tokens == 0):
+            req = replace(req, prompt_logprobs=self.logprobs or 0)
         elif max_tokens == 0:
-            raise RequestError("max_tokens", "0 only with echo and logprobs (the prompt's logprobs alone)")
+            raise RequestError("max_tokens", "0 only with echo (the prompt alone)")
         return req
 
 

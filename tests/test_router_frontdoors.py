@@ -253,6 +253,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers(stack):
     # echo alone (no logprobs) only prepends the text; streamed, each choice's first chunk carries it
     alone = post(router.url, "/v1/completions", prompt=TEXT_PROMPT, max_tokens=5, echo=True).json()["choices"][0]
     assert alone["text"] == choice["text"] and alone["logprobs"] is None
+    bare = post(router.url, "/v1/completions", prompt=TEXT_PROMPT, max_tokens=0, echo=True).json()["choices"][0]
+    assert bare["text"] == TEXT_PROMPT and bare["logprobs"] is None and bare["token_ids"] == []
     chunks = sse(router.url, "/v1/completions", prompt=[TEXT_PROMPT, "x = 1\n"], max_tokens=5, echo=True)
     for index, head in ((0, TEXT_PROMPT), (1, "x = 1\n")):
         texts = [e["choices"][0]["text"] for e in chunks if e["choices"][0]["index"] == index]
