@@ -65,13 +65,15 @@ async def _drain(request: Request, seen: int) -> None:
 def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         data = json.loads(raw.decode("utf-8"))
+        bad = _unpaired_surrogate(data) if isinstance(data, dict) and _SURROGATE_ESCAPE.search(raw) else None
     except UnicodeDecodeError:
         raise Refusal(error(400, "body is not valid UTF-8")) from None
     except json.JSONDecodeError as err:
         raise Refusal(error(400, f"malformed JSON: {err}")) from None
+    except RecursionError:  # [[[[...]]]] a hundred thousand deep: Python's decoder gives up
+        raise Refusal(error(400, "malformed JSON: nested too deeply")) from None
     if not isinstance(data, dict):
         raise Refusal(error(400, "body must be a JSON object"))
-    bad = _unpaired_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
     if bad is not None:
         raise Refusal(error(400, f"{bad or 'body'}: a string holds an unpaired UTF-16 surrogate escape (such as "
                                     f"\\ud800), which is no Unicode text", bad or None))

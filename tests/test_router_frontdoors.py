@@ -503,6 +503,8 @@ BAD = {
     "malformed-json": ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2', 400, "JSON", None, None),
     "json-array": ("/v1/completions", b'[{"model": "tiny", "prompt": "hi"}]', 400, "object", None, None),
     "invalid-utf8": ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe\xfd"}', 400, "UTF-8", None, None),
+    "nested-too-deeply": ("/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 10**5 + b"]" * 10**5 + b"}", 400,
+                          "nested too deeply", None, None),  # Python's decoder raised RecursionError: a 500
     "max_tokens-string": ("/v1/completions", {**OK, "max_tokens": "ten"}, 400, "max_tokens", "max_tokens", None),
     "temperature-string": ("/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature", "temperature",
                            None),
