@@ -74,7 +74,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             body = parse_json(raw, model)
         if body.model != model_name:
             raise Refusal(error(404, f"model {body.model!r} not found; this server serves {model_name!r}",
-                                   "model", "not_found_error"))
+                                "model", "not_found_error"))
         if not engine.ready:
             raise Refusal(error(503, "not ready: the target service is unavailable", kind="unavailable"))
         return body

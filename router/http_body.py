@@ -76,11 +76,11 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise Refusal(error(400, "body must be a JSON object"))
     if bad is not None:
         raise Refusal(error(400, f"{bad or 'body'}: a string holds an unpaired UTF-16 surrogate escape (such as "
-                                    f"\\ud800), which is no Unicode text", bad or None))
+                                 f"\\ud800), which is no Unicode text", bad or None))
     unknown = model.unsupported(data) if issubclass(model, _Common) else []
     if unknown:
         raise Refusal(error(400, f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
-                                    f"(Tandem does not implement {'them' if len(unknown) > 1 else 'it'})", unknown[0]))
+                                 f"(Tandem does not implement {'them' if len(unknown) > 1 else 'it'})", unknown[0]))
     try:
         return model.model_validate({k: v for k, v in data.items() if k not in HARMLESS})
     except ValidationError as err:
