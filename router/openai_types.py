@@ -1,8 +1,10 @@
-"""OpenAI-compatible request bodies (completions and chat), checked and turned into Requests.
-Extensions beyond OpenAI's fields: top_k, ignore_eos, max_speculative_tokens, typical_acceptance,
-return_token_ids, tandem_metrics, and vLLM's repetition_penalty, min_tokens, stop_token_ids, structured_outputs (json,
-regex, choice, grammar, json_object) with its older guided_json/guided_regex/guided_choice/guided_grammar.
-Sampling fields left out take the served model's defaults (generation_config.json).
+"""OpenAI-compatible request bodies (completions and chat, and vLLM's tokenize and detokenize),
+checked and turned into Requests. Extensions beyond OpenAI's fields: top_k, ignore_eos,
+max_speculative_tokens, typical_acceptance, return_token_ids, tandem_metrics, and vLLM's
+repetition_penalty, min_tokens, stop_token_ids, add_generation_prompt, continue_final_message,
+structured_outputs (json, regex, choice, grammar, json_object) with its older
+guided_json/guided_regex/guided_choice/guided_grammar. Sampling fields left out (or null) take the
+served model's defaults (generation_config.json).
 
 A field Tandem does not know or does not support is a 400 naming it, never ignored: a client asking
 for tools or audio must not get plain text with a 200. A few are accepted because they change nothing
