@@ -8,9 +8,10 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from router.config import RouterConfig
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, hf_logits
 from tests.stack import REALISTIC_STEP_S, complete, running_stack, start_draft, start_router, start_target, wait_until
 
 
@@ -145,10 +146,17 @@ def test_small_kv_cache_preempts_and_recomputes_correctly(model_pair):
     router = start_router(RouterConfig(max_num_batched_tokens=64), target.address, draft.address, target_dir)
     try:
         ps = [p for p in prompts(16) if 40 <= len(p) <= 100][:6]
-        with cf.ThreadPoolExecutor(6) as pool:
-            outs = list(pool.map(lambda p: complete(router.url, p, 60), ps))
-        for p, out in zip(ps, outs, strict=True):
+        with cf.ThreadPoolExecutor(6) as pool:  # half echo theirs with logprobs: chunks recomputed score again
+            outs = list(pool.map(lambda ip: complete(router.url, ip[1], 60, **({"echo": True, "logprobs": 0}
+                                                                             if ip[0] % 2 else {})), enumerate(ps)))
+        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
             assert out["choices"][0]["token_ids"] == hf_greedy(target_dir, p, 60)
+            if i % 2:
+                ref = torch.log_softmax(hf_logits(target_dir, p).double(), -1)
+                scored = out["choices"][0]["logprobs"]["token_logprobs"][:len(p)]
+                assert scored[0] is None and scored[1:] == pytest.approx(
+                    ref[torch.arange(len(p) - 1), torch.tensor(p[1:])].tolist(), abs=1e-3)
+        assert metric(router.url, "tandem:num_preemptions_total") > 0, "the cache was meant to be too small"
         assert trunner.blocks.num_free == 24 or wait_until(lambda: trunner.blocks.num_free == 24)
     finally:
         router.stop(), target.stop(), draft.stop()
