@@ -22,11 +22,14 @@ def prompts(n: int, vocab: int = 320) -> list[list[int]]:
 
 
 def metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name) and not line.startswith("#") and "_created" not in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metrics_at_once(url, name)[0]
+
+
+def metrics_at_once(url: str, *names: str) -> list[float]:
+    """Several counters from one scrape: the same moment for all."""
+    text = httpx.get(f"{url}/metrics").text.splitlines()
+    return [sum(float(line.rsplit(" ", 1)[1]) for line in text
+                if line.startswith(name) and not line.startswith("#") and "_created" not in line) for name in names]
 
 
 @pytest.fixture()
@@ -64,11 +67,16 @@ def test_draft_identical_to_target_accepts_everything(model_pair):
         assert drafted > 0 and metric(router.url, "tandem:spec_decode_num_accepted_tokens_total") == drafted
         # the draft prepared each next step while the target verified this one: its favourite guess
         # is always right, so a step without a proposal waited for a draft still at work (late) or
-        # followed a step the draft rested for (unasked: pacing's probes of the target alone)
-        hits = metric(router.url, "tandem:pipeline_hits_total")
-        late = metric(router.url, 'tandem:pipeline_misses_total{reason="late"}')
-        unasked = metric(router.url, 'tandem:pipeline_misses_total{reason="unasked"}')
-        assert hits > 0 and hits + late + unasked == metric(router.url, "tandem:pipeline_lookups_total")
+        # followed a step the draft rested for (unasked: pacing's probes of the target alone). The step
+        # that ended the request counts its outcome after the answer went out: read once settled.
+        names = ("tandem:pipeline_hits_total", 'tandem:pipeline_misses_total{reason="late"}',
+                 'tandem:pipeline_misses_total{reason="unasked"}', "tandem:pipeline_lookups_total")
+
+        def right_or_explained() -> bool:
+            hits, late, unasked, lookups = metrics_at_once(router.url, *names)
+            return hits > 0 and hits + late + unasked == lookups
+
+        assert wait_until(right_or_explained, 5), metrics_at_once(router.url, *names)
     finally:
         router.stop(), target.stop(), draft.stop()
 
