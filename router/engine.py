@@ -165,8 +165,6 @@ class RouterEngine:
             raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
             raise RequestError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
-        if req.prompt_logprobs is not None and req.n > 1:
-            raise RequestError("n", "the prompt's logprobs (echo) come with n = 1 only")
         if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
             raise RequestError("max_speculative_tokens", "must be >= 0")
         ids = [t for t, _ in req.sampling.logit_bias] + list(req.sampling.stop_token_ids)

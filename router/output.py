@@ -47,6 +47,10 @@ class OutputBuilder:
         for i, lp in enumerate(logprobs):
             self._prompt_logprobs[start + i] = lp
 
+    def scored_prompt(self) -> list[TokenLogprob]:
+        """The prompt tokens' logprobs, of tokens 1 .. (the first has none): once prompt_scored."""
+        return [self._prompt_logprobs[p] for p in range(1, len(self.request.prompt_ids))]
+
     @property
     def prompt_scored(self) -> bool:
         """Every prompt token but the first has its logprob (what Request.prompt_logprobs asks for)."""
@@ -124,8 +128,7 @@ class OutputBuilder:
         self._sent_tokens, self._prompt_sent = len(self.output_ids), True
         return Delta(token_ids=new_tokens, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
                      completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
-                     index=self.index, prompt_logprobs=[self._prompt_logprobs[p] for p in
-                                                        range(1, len(self.request.prompt_ids))] if first else None)
+                     index=self.index, prompt_logprobs=self.scored_prompt() if first else None)
 
     def abort(self, reason: FinishReason, error: Exception | None = None) -> Delta:
         self.finish_reason = reason

@@ -28,22 +28,25 @@ class StepResults:
         results = list(response.results)
         siblings = plan.siblings
         assert len(results) == len(plan.decodes) + len(plan.chunks) + len(siblings)
+        chunk_results = results[len(plan.decodes):len(results) - len(siblings)]
+        for c, res in zip(plan.chunks, chunk_results, strict=True):  # first: siblings echo their parent's
+            if res.prompt_logprobs and c.seq.output is not None:
+                c.seq.output.scored(c.start + 1, prompt_logprobs_of(res))  # position i scores token i + 1
         for seq, res in zip(siblings, results[len(results) - len(siblings):], strict=True):
             self.metrics.forked_sequences.inc()
             if seq.finished:
                 continue
             seq.target_cached = res.cached_len
+            if seq.request.prompt_logprobs is not None and seq.fork_parent is not None:
+                seq.output.scored(1, seq.fork_parent.output.scored_prompt())
             self.spec.observe_outcome(seq, 0, 0, res.tokens[-1])
             self._emit(seq, list(res.tokens), logprobs_of(res))
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
             self._verified(seq, drafts, res)
-        for c, res in zip(plan.chunks, results[len(plan.decodes):len(results) - len(siblings)], strict=True):
+        for c, res in zip(plan.chunks, chunk_results, strict=True):
             if c.seq.finished:
                 continue
             c.seq.target_cached = res.cached_len
-            if res.prompt_logprobs:
-                assert c.seq.output is not None
-                c.seq.output.scored(c.start + 1, prompt_logprobs_of(res))  # position i scores token i + 1
             if c.emit:
                 self.spec.observe_outcome(c.seq, 0, 0, res.tokens[-1])
                 self._emit(c.seq, list(res.tokens), logprobs_of(res))
