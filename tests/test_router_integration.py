@@ -65,18 +65,17 @@ def test_draft_identical_to_target_accepts_everything(model_pair):
         assert out["choices"][0]["token_ids"] == hf_greedy(target_dir, p, 40)
         drafted = metric(router.url, "tandem:spec_decode_num_draft_tokens_total")
         assert drafted > 0 and metric(router.url, "tandem:spec_decode_num_accepted_tokens_total") == drafted
-        # the draft prepared each next step while the target verified this one: its favourite guess
-        # is always right, so a step without a proposal waited for a draft still at work (late) or
-        # followed a step the draft rested for (unasked: pacing's probes of the target alone). The step
-        # that ended the request counts its outcome after the answer went out: read once settled.
+        # the draft prepared each next step while the target verified this one, so a step without a
+        # proposal waited for a draft still at work (late) or followed a step the draft rested for
+        # (unasked: pacing's probes of the target alone). Its favourite guess is right from the second
+        # verification on: the first is judged at the 0.7 prior, where for k = 4 "none accepted" (0.3)
+        # is likelier than "all" (0.24), and a budget of one branch (a loaded machine) bets
+        # on it (CI once counted one such miss). Counters from one scrape.
         names = ("tandem:pipeline_hits_total", 'tandem:pipeline_misses_total{reason="late"}',
-                 'tandem:pipeline_misses_total{reason="unasked"}', "tandem:pipeline_lookups_total")
-
-        def right_or_explained() -> bool:
-            hits, late, unasked, lookups = metrics_at_once(router.url, *names)
-            return hits > 0 and hits + late + unasked == lookups
-
-        assert wait_until(right_or_explained, 5), metrics_at_once(router.url, *names)
+                 'tandem:pipeline_misses_total{reason="unasked"}', 'tandem:pipeline_misses_total{reason="wrong"}',
+                 "tandem:pipeline_lookups_total")
+        hits, late, unasked, wrong, lookups = metrics_at_once(router.url, *names)
+        assert hits > 0 and wrong <= 1 and hits + late + unasked + wrong == lookups, (hits, late, unasked, wrong)
     finally:
         router.stop(), target.stop(), draft.stop()
 
