@@ -179,33 +179,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _add_logprobs(self, entries: list[Entry], decided: list[torch.Tensor], emitted: list[tuple[int, list[int]]],
                       results: list[target_pb2.EntryResult]) -> None:
         """Raw-distribution logprobs of the emitted tokens (decided: each emitting entry's deciding rows)."""
-        wanted = [(n, rows[:len(toks)], toks) for (n, toks), rows in zip(emitted, decided, strict=True)
-                  if entries[n].logprobs >= 0]
-        for n, lp in _logprobs(wanted, entries, "logprobs"):
+        wanted = [(n, rows[:len(toks)], toks, entries[n].logprobs)
+                  for (n, toks), rows in zip(emitted, decided, strict=True) if entries[n].logprobs >= 0]
+        for n, lp in _logprobs(wanted):
             results[n].logprobs.append(lp)
 
     def _add_prompt_logprobs(self, entries: list[Entry], logits: list[torch.Tensor],
                              results: list[target_pb2.EntryResult]) -> None:
         """Raw-distribution logprobs of the prompt tokens the chunks asking for them score."""
-        wanted = [(n, logits[n][:len(e.prompt_targets)], list(e.prompt_targets)) for n, e in enumerate(entries)
-                  if e.prompt_logprobs >= 0]
-        for n, lp in _logprobs(wanted, entries, "prompt_logprobs"):
+        wanted = [(n, logits[n][:len(e.prompt_targets)], list(e.prompt_targets), e.prompt_logprobs)
+                  for n, e in enumerate(entries) if e.prompt_logprobs >= 0]
+        for n, lp in _logprobs(wanted):
             results[n].prompt_logprobs.append(lp)
 
 
-def _logprobs(wanted: list[tuple[int, torch.Tensor, list[int]]], entries: list[Entry],
-              top: str) -> list[tuple[int, common_pb2.TokenLogprob]]:
-    """(entry, TokenLogprob) of each (entry, rows, tokens) wanted, with the entry's `top` alternatives:
-    one logprobs_of call for the batch."""
+def _logprobs(wanted: list[tuple[int, torch.Tensor, list[int], int]]) -> list[tuple[int, common_pb2.TokenLogprob]]:
+    """(entry, TokenLogprob) of each token of each (entry, rows, tokens, top alternatives) wanted: one
+    logprobs_of call for the batch."""
     if not wanted:
         return []
-    rows = torch.cat([r for _, r, _ in wanted])
-    tokens = torch.tensor([t for _, _, toks in wanted for t in toks], device=rows.device)
-    chosen, top_ids, top_lp = logprobs_of(rows, tokens, max(getattr(entries[n], top) for n, _, _ in wanted))
+    rows = torch.cat([r for _, r, _, _ in wanted])
+    tokens = torch.tensor([t for _, _, toks, _ in wanted for t in toks], device=rows.device)
+    chosen, top_ids, top_lp = logprobs_of(rows, tokens, max(m for *_, m in wanted))
     chosen_l, ids_l, lp_l = to_lists(chosen, top_ids, top_lp)
     out, row = [], 0
-    for n, _, toks in wanted:
-        m = getattr(entries[n], top)
+    for n, _, toks, m in wanted:
         for t in toks:
             out.append((n, common_pb2.TokenLogprob(token_id=t, logprob=chosen_l[row], top_token_ids=ids_l[row][:m],
                                                    top_logprobs=lp_l[row][:m])))
