@@ -25,7 +25,7 @@ from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
 from router.engine import RequestStream, RouterEngine
 from router.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
 from router.openai_format import ChatFormat, CompletionFormat
-from router.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, template_options
+from router.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from router.request_stats import report
 from router.tracing import RouterTracer
 
@@ -156,10 +156,9 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
     async def tokenize(request: Request) -> Response:
         """vLLM's: the ids a prompt (or chat messages) becomes, as the doors encode it."""
         try:
-            body = (await parse(request, TokenizeBody)).checked()
-            ids = await engine.encode(body.prompt) if body.prompt is not None else await engine.encode_chat(
-                [(m.role, m.text()) for m in body.messages],
-                **template_options(body.messages, body.add_generation_prompt, body.continue_final_message))
+            body = await parse(request, TokenizeBody)
+            chat = body.chat()
+            ids = await engine.encode_chat(chat[0], **chat[1]) if chat else await engine.encode(body.prompt)
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         except Refusal as e:
             return e.response

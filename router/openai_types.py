@@ -194,7 +194,7 @@ class ChatBody(_Common):
     continue_final_message: StrictBool = False  # vLLM's: write on from the last (assistant) message's text
 
     def conversation(self) -> list[tuple[str, str]]:
-        return [(m.role, m.text()) for m in self.messages]
+        return conversation(self.messages)
 
     def template_options(self) -> dict[str, bool]:
         return template_options(self.messages, self.add_generation_prompt, self.continue_final_message)
@@ -208,6 +208,10 @@ class ChatBody(_Common):
             raise RequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._request(request_id, prompt_ids, defaults, logprobs, max_tokens)
+
+
+def conversation(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    return [(m.role, m.text()) for m in messages]
 
 
 def template_options(messages: list[ChatMessage], add_generation_prompt: bool,
@@ -230,12 +234,14 @@ class TokenizeBody(BaseModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
 
-    def checked(self) -> TokenizeBody:
+    def chat(self) -> tuple[list[tuple[str, str]], dict[str, bool]] | None:
+        """The conversation and its template options, checked; None when a prompt was given instead."""
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("prompt", "give prompt or messages, one of them")
-        if self.messages is not None:
-            template_options(self.messages, self.add_generation_prompt, self.continue_final_message)
-        return self
+        if self.messages is None:
+            return None
+        return conversation(self.messages), template_options(self.messages, self.add_generation_prompt,
+                                                             self.continue_final_message)
 
 
 class DetokenizeBody(BaseModel):

@@ -64,8 +64,8 @@ class OutputBuilder:
         kept: list[int] = []
         out: list[str] = []
         if self.max_tokens == 0:  # echo of the prompt alone: the token its last chunk emitted is not output
-            self.finish_reason = FinishReason.LENGTH
-        for tok in token_ids if self.finish_reason is None else ():
+            self.finish_reason, token_ids = FinishReason.LENGTH, []
+        for tok in token_ids:
             if tok in self.eos_ids:
                 self.finish_reason = FinishReason.STOP
                 break
