@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = logging.getLogger(__name__)
 
+Message = dict | tuple[str, str]
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -73,19 +75,22 @@ class ChatFormatter:
         log.info("chat template: %s", source)
         return cls(template, special, source)
 
-    def render(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True,
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                continue_final_message: bool = False, **extra: object) -> str:
-        """continue_final_message (vLLM's, and transformers'): the prompt ends inside the last message,
-        an assistant's, so the model writes on from its text (everything after it is cut)."""
+        """messages: transformers' dicts ({"role", "content"}, tool_calls, ...), or (role, content) pairs.
+        extra: more template variables (tools). continue_final_message (vLLM's, and transformers'): the
+        prompt ends inside the last message, an assistant's, so the model writes on from its text
+        (everything after it is cut)."""
+        dicts = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
         if self.template is None:
-            text = "".join(_plain_turn(role, content) for role, content in messages)
+            text = "".join(_plain_turn(m["role"], m["content"]) for m in dicts)
             text += FALLBACK_GENERATION_PROMPT if add_generation_prompt else ""
         else:
-            text = self.template.render(messages=[{"role": r, "content": c} for r, c in messages],
-                                        add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra)
+            text = self.template.render(messages=dicts, add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens, **extra)
         if not continue_final_message:
             return text
-        final = messages[-1][1].rstrip()
+        final = dicts[-1]["content"].rstrip()
         end = text.rfind(final)
         if not final or end < 0:
             raise ValueError("the final message's text is not in the rendered prompt: it cannot be continued")

@@ -39,17 +39,17 @@ class TextCodec:
         self.check_size(text, max_tokens, field)
         return await self._run(self._encode, text)
 
-    async def encode_chat(self, messages: list[tuple[str, str]], max_tokens: int,
-                          extra: dict | None = None) -> list[int]:
-        """extra: ChatFormatter.render's options (add_generation_prompt, continue_final_message)."""
-        self.check_size("".join(content for _, content in messages), max_tokens, "messages")
+    async def encode_chat(self, messages: list[dict], max_tokens: int, extra: dict | None = None) -> list[int]:
+        """messages as ChatFormatter.render takes them; extra: its options (add_generation_prompt,
+        continue_final_message, tools)."""
+        self.check_size("".join(m["content"] for m in messages), max_tokens, "messages")
         return await self._run(self._encode_chat, messages, extra or {})
 
     def _encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL while it works; encode() holds it (measured: 2 s of a 2 MB text)
         return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
 
-    def _encode_chat(self, messages: list[tuple[str, str]], extra: dict) -> list[int]:
+    def _encode_chat(self, messages: list[dict], extra: dict) -> list[int]:
         try:
             prompt = self.chat.render(messages, **extra)
         except Exception as err:  # a template may reject a conversation (raise_exception)

@@ -138,7 +138,7 @@ class RouterEngine:
         """Tokenize off the event loop; a text that surely exceeds the context is refused unencoded."""
         return await self.codec.encode(text, self.max_model_len, field)
 
-    async def encode_chat(self, messages: list[tuple[str, str]], **options: bool) -> list[int]:
+    async def encode_chat(self, messages: list[dict], **options: object) -> list[int]:
         return await self.codec.encode_chat(messages, self.max_model_len, options)
 
     def validate(self, req: Request) -> int:

@@ -103,7 +103,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             body = await parse(request, ChatBody)
             ids = await engine.encode_chat(body.conversation(), **body.template_options())
             req = body.to_request(f"chatcmpl-{uuid.uuid4().hex}", ids, engine.sampling_defaults)
-            fmt = ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids)
+            fmt = ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=body.tool_calling())
             return await respond(request, body, engine.submit(req), fmt)
         except Refusal as e:
             return e.response
@@ -125,8 +125,8 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
                 if delta.error is not None:
                     yield f"data: {json.dumps(public_error(delta.error)[1])}\n\n"
                     break
-                if delta.text or delta.token_ids or delta.finish_reason:
-                    yield f"data: {json.dumps(fmt.chunk(delta))}\n\n"
+                if (delta.text or delta.token_ids or delta.finish_reason) and (chunk := fmt.chunk(delta)) is not None:
+                    yield f"data: {json.dumps(chunk)}\n\n"
                 seen.append(delta)
             if usage and seen:
                 yield f"data: {json.dumps(fmt.usage_chunk(seen))}\n\n"

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.core import Delta, FinishReason, Request
+from router.tools import ToolCalling, call
 
 
 def _finish(delta: Delta) -> str | None:
@@ -104,8 +105,17 @@ class CompletionFormat:
 
 
 class ChatFormat(CompletionFormat):
+    """Chat answers; with tools (router.tools), the answer's calls as message.tool_calls. Streamed, a
+    named call's arguments stream as they come (its id and name in the first chunk); "required" calls
+    come whole in the choice's last chunk (the array is parsed once complete)."""
+
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tools: ToolCalling | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools = tools
+        self._held: dict[int, list[Delta]] = {}  # "required", streamed: each choice's deltas until it ends
 
     def _logprobs(self, deltas: list[Delta]) -> dict | None:
         if self.req.logprobs is None:
@@ -115,15 +125,38 @@ class ChatFormat(CompletionFormat):
                              "top_logprobs": [{"token": dec([t]), "logprob": v} for t, v in lp.top]}
                             for d in deltas for lp in (d.logprobs or [])]}
 
+    def chunk(self, d: Delta) -> dict | None:
+        """None while a "required" choice's calls are incomplete."""
+        if self.tools is None or self.tools.name is not None:
+            return super().chunk(d)
+        held = self._held.setdefault(d.index, [])
+        held.append(d)
+        if d.finish_reason is None:
+            return None
+        del self._held[d.index]
+        return self._base([self._with_ids(self._choice(held, True), held)], self.chunk_name)
+
     def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
         content = "".join(d.text for d in deltas)
         index = deltas[-1].index
-        if not streamed:
-            message = {"role": "assistant", "content": content}
-        elif index in self._started:
-            message = {"content": content}
-        else:  # as OpenAI streams: the role in a choice's first delta only
-            self._started.add(index)
-            message = {"role": "assistant", "content": content}
+        first = not streamed or index not in self._started  # as OpenAI streams: the role in a choice's first delta
+        self._started.add(index)
+        message: dict[str, Any] = {"role": "assistant"} if first else {}
+        finish = _finish(deltas[-1])
+        if self.tools is None:
+            message["content"] = content
+        elif streamed and self.tools.name is not None:  # a named call's arguments, as they come
+            if first:
+                message["content"] = None
+                message["tool_calls"] = [{"index": 0, **call(self.tools.name, content)}]
+            elif content:
+                message["tool_calls"] = [{"index": 0, "function": {"arguments": content}}]
+        elif (calls := self.tools.calls(content)) is None:  # cut short before the calls were complete
+            message["content"] = content
+        else:
+            message["content"] = None
+            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)] if streamed else calls
+        if self.tools is not None and deltas[-1].finish_reason == FinishReason.STOP:
+            finish = self.tools.finish_reason
         return {"index": index, "delta" if streamed else "message": message,
-                "logprobs": self._logprobs(deltas), "finish_reason": _finish(deltas[-1])}
+                "logprobs": self._logprobs(deltas), "finish_reason": finish}

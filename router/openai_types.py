@@ -1,5 +1,6 @@
 """OpenAI-compatible request bodies (completions and chat, and vLLM's tokenize and detokenize),
-checked and turned into Requests. Extensions beyond OpenAI's fields: top_k, ignore_eos,
+checked and turned into Requests; chat's tools as router.tools takes them. Extensions beyond
+OpenAI's fields: top_k, ignore_eos,
 max_speculative_tokens, typical_acceptance, return_token_ids, tandem_metrics, and vLLM's
 repetition_penalty, min_tokens, stop_token_ids, add_generation_prompt, continue_final_message,
 structured_outputs (json, regex, choice, grammar, json_object) with its older
@@ -7,7 +8,7 @@ guided_json/guided_regex/guided_choice/guided_grammar. Sampling fields left out 
 served model's defaults (generation_config.json).
 
 A field Tandem does not know or does not support is a 400 naming it, never ignored: a client asking
-for tools or audio must not get plain text with a 200. A few are accepted because they change nothing
+for audio or tool_choice "auto" must not get plain text with a 200. A few are accepted because they change nothing
 about the output (HARMLESS)."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from common.protocol import MAX_LOGPROBS
 from common.sampling import SamplingParams
 from router.core import Request, RequestError
 from router.structured import Constraint
+from router.tools import ToolCalling, history_calls, tool_calling
 
 MAX_STOP_STRINGS = 8
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -169,10 +171,12 @@ class CompletionBody(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # tool_calls, audio, ...: a 400 naming them, not silently dropped
+    model_config = ConfigDict(extra="forbid")  # audio, refusal, ...: a 400 naming them, not silently dropped
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, sent back as history
+    tool_call_id: StrictStr | None = None  # a tool's answer: which call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -192,12 +196,21 @@ class ChatBody(_Common):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True  # vLLM's: end the prompt with the assistant's turn opening
     continue_final_message: StrictBool = False  # vLLM's: write on from the last (assistant) message's text
+    tools: list[dict] | None = None  # router.tools
+    tool_choice: StrictStr | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
 
-    def conversation(self) -> list[tuple[str, str]]:
+    def conversation(self) -> list[dict]:
         return conversation(self.messages)
 
-    def template_options(self) -> dict[str, bool]:
-        return template_options(self.messages, self.add_generation_prompt, self.continue_final_message)
+    def template_options(self) -> dict[str, object]:
+        """ChatFormatter.render's options: the template's flags, and the tools where given."""
+        options: dict[str, object] = template_options(self.messages, self.add_generation_prompt,
+                                                      self.continue_final_message)
+        return {**options, "tools": self.tools} if self.tools else options
+
+    def tool_calling(self) -> ToolCalling | None:
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams) -> Request:
         """max_tokens unset: until EOS or the end of the context, as OpenAI's chat API does."""
@@ -207,11 +220,32 @@ class ChatBody(_Common):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise RequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._request(request_id, prompt_ids, defaults, logprobs, max_tokens)
+        req = self._request(request_id, prompt_ids, defaults, logprobs, max_tokens)
+        calling = self.tool_calling()
+        if calling is None:
+            return req
+        if req.constraint is not None:
+            raise RequestError(req.constraint.field, "one output constraint per request (also given: tool_choice)")
+        return replace(req, constraint=calling.constraint())
 
 
-def conversation(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    return [(m.role, m.text()) for m in messages]
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template gets them (transformers' shape)."""
+    out = []
+    for i, m in enumerate(messages):
+        message: dict = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise RequestError(f"messages.{i}.tool_calls", "only an assistant's message carries tool calls")
+            message["tool_calls"] = history_calls(m.tool_calls, f"messages.{i}.tool_calls")
+        if m.tool_call_id is not None:
+            if m.role != "tool":
+                raise RequestError(f"messages.{i}.tool_call_id", "only a tool's message answers a tool call")
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 def template_options(messages: list[ChatMessage], add_generation_prompt: bool,

@@ -77,10 +77,10 @@ def test_chat_prompt_tokens_equal_transformers(tmp_path, style, conversation):
     d = save_transformers5_layout(tmp_path / style, template, bos)
     msgs = CONVERSATIONS[conversation]
     hf = AutoTokenizer.from_pretrained(d)
-    want = hf.apply_chat_template([{"role": r, "content": c} for r, c in msgs], tokenize=True,
-                                  add_generation_prompt=True, return_dict=False)
+    dicts = [{"role": r, "content": c} for r, c in msgs]
+    want = hf.apply_chat_template(dicts, tokenize=True, add_generation_prompt=True, return_dict=False)
     codec = TextCodec(d)
-    got = asyncio.run(codec.encode_chat(msgs, 100_000))
+    got = asyncio.run(codec.encode_chat(dicts, 100_000))
     assert got == want
     codec.close()
     if bos is not None and template.count("bos_token"):

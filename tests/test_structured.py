@@ -219,7 +219,7 @@ def test_n_choices_stream_with_indexes(stack):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto": no parser
     ({"frobnicate": 1, "audio": {}}, "audio"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema"),
