@@ -101,9 +101,10 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         try:
             body = await parse(request, ChatBody)
+            calling = body.tool_calling(engine.config.tool_call_parser)
             ids = await engine.encode_chat(body.conversation(), **body.template_options())
-            req = body.to_request(f"chatcmpl-{uuid.uuid4().hex}", ids, engine.sampling_defaults)
-            fmt = ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=body.tool_calling())
+            req = body.to_request(f"chatcmpl-{uuid.uuid4().hex}", ids, engine.sampling_defaults, calling)
+            fmt = ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=calling)
             return await respond(request, body, engine.submit(req), fmt)
         except Refusal as e:
             return e.response

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.core import Delta, FinishReason, Request
@@ -104,10 +105,21 @@ class CompletionFormat:
         return {**self._base(choices, self.object_name), "usage": self._usage(deltas)}
 
 
+@dataclass
+class _Held:
+    """A streamed choice's answer so far, where tools decide what it is."""
+
+    deltas: list[Delta] = field(default_factory=list)  # since the last chunk written
+    text: str = ""
+    sent: int = 0  # characters of text written (as content, or as a named call's arguments)
+
+
 class ChatFormat(CompletionFormat):
     """Chat answers; with tools (router.tools), the answer's calls as message.tool_calls. Streamed, a
     named call's arguments stream as they come (its id and name in the first chunk); "required" calls
-    come whole in the choice's last chunk (the array is parsed once complete)."""
+    come whole in the choice's last chunk; an "auto" answer streams its text until a call opens, its
+    calls come whole in the last chunk. A chunk carries the logprobs and token ids of the deltas since
+    the choice's chunk before it."""
 
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
@@ -115,7 +127,7 @@ class ChatFormat(CompletionFormat):
     def __init__(self, *args: Any, tools: ToolCalling | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tools = tools
-        self._held: dict[int, list[Delta]] = {}  # "required", streamed: each choice's deltas until it ends
+        self._held: dict[int, _Held] = {}
 
     def _logprobs(self, deltas: list[Delta]) -> dict | None:
         if self.req.logprobs is None:
@@ -125,38 +137,54 @@ class ChatFormat(CompletionFormat):
                              "top_logprobs": [{"token": dec([t]), "logprob": v} for t, v in lp.top]}
                             for d in deltas for lp in (d.logprobs or [])]}
 
-    def chunk(self, d: Delta) -> dict | None:
-        """None while a "required" choice's calls are incomplete."""
-        if self.tools is None or self.tools.name is not None:
-            return super().chunk(d)
-        held = self._held.setdefault(d.index, [])
-        held.append(d)
-        if d.finish_reason is None:
-            return None
-        del self._held[d.index]
-        return self._base([self._with_ids(self._choice(held, True), held)], self.chunk_name)
-
     def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
-        content = "".join(d.text for d in deltas)
+        text = "".join(d.text for d in deltas)
+        if self.tools is None:
+            return self._message(deltas, streamed, {"content": text}, _finish(deltas[-1]))
+        content, calls = self.tools.answer(text)
+        body = {"content": content} if calls is None else {"content": content, "tool_calls": calls}
+        return self._message(deltas, streamed, body, self._tool_finish(deltas[-1], calls))
+
+    def _tool_finish(self, last: Delta, calls: list[dict] | None) -> str | None:
+        assert self.tools is not None
+        return self.tools.finish_reason if calls and last.finish_reason == FinishReason.STOP else _finish(last)
+
+    def _message(self, deltas: list[Delta], streamed: bool, body: dict, finish: str | None) -> dict:
         index = deltas[-1].index
         first = not streamed or index not in self._started  # as OpenAI streams: the role in a choice's first delta
         self._started.add(index)
-        message: dict[str, Any] = {"role": "assistant"} if first else {}
-        finish = _finish(deltas[-1])
+        message = {"role": "assistant", **body} if first else body
+        return {"index": index, "delta" if streamed else "message": message, "logprobs": self._logprobs(deltas),
+                "finish_reason": finish}
+
+    def chunk(self, d: Delta) -> dict | None:
+        """None while what the held text is cannot be told yet (a call being written)."""
         if self.tools is None:
-            message["content"] = content
-        elif streamed and self.tools.name is not None:  # a named call's arguments, as they come
-            if first:
-                message["content"] = None
-                message["tool_calls"] = [{"index": 0, **call(self.tools.name, content)}]
-            elif content:
-                message["tool_calls"] = [{"index": 0, "function": {"arguments": content}}]
-        elif (calls := self.tools.calls(content)) is None:  # cut short before the calls were complete
-            message["content"] = content
+            return super().chunk(d)
+        held = self._held.setdefault(d.index, _Held())
+        held.deltas.append(d)
+        held.text += d.text
+        if self.tools.name is not None:  # a named call's arguments, as they come
+            piece, held.sent = held.text[held.sent:], len(held.text)
+            if d.index not in self._started:
+                body = {"content": None, "tool_calls": [{"index": 0, **call(self.tools.name, piece)}]}
+            else:
+                body = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
+            finish = self._tool_finish(d, [{}]) if d.finish_reason else None
+        elif d.finish_reason is None:
+            upto = self.tools.streamable(held.text)
+            if upto <= held.sent:
+                return None
+            body, finish, held.sent = {"content": held.text[held.sent:upto]}, None, upto
         else:
-            message["content"] = None
-            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)] if streamed else calls
-        if self.tools is not None and deltas[-1].finish_reason == FinishReason.STOP:
-            finish = self.tools.finish_reason
-        return {"index": index, "delta" if streamed else "message": message,
-                "logprobs": self._logprobs(deltas), "finish_reason": finish}
+            calls = self.tools.answer(held.text)[1]
+            if calls is None:
+                body = {"content": held.text[held.sent:]}
+            else:
+                body = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                body = {"content": None, **body} if held.sent == 0 else body
+            finish = self._tool_finish(d, calls)
+        deltas, held.deltas = held.deltas, []
+        if d.finish_reason is not None:
+            del self._held[d.index]
+        return self._base([self._with_ids(self._message(deltas, True, body, finish), deltas)], self.chunk_name)

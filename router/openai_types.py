@@ -209,11 +209,14 @@ class ChatBody(_Common):
                                                       self.continue_final_message)
         return {**options, "tools": self.tools} if self.tools else options
 
-    def tool_calling(self) -> ToolCalling | None:
-        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_calling(self, parser: str | None = None) -> ToolCalling | None:
+        """parser: the router's --tool-call-parser (tool_choice "auto" needs one)."""
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
-    def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams) -> Request:
-        """max_tokens unset: until EOS or the end of the context, as OpenAI's chat API does."""
+    def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams,
+                   calling: ToolCalling | None = None) -> Request:
+        """max_tokens unset: until EOS or the end of the context, as OpenAI's chat API does. calling: this
+        body's tool_calling(), whose constraint the output follows."""
         max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "needs logprobs: true")
@@ -221,12 +224,12 @@ class ChatBody(_Common):
             raise RequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req = self._request(request_id, prompt_ids, defaults, logprobs, max_tokens)
-        calling = self.tool_calling()
-        if calling is None:
+        constraint = calling.constraint() if calling is not None else None
+        if constraint is None:
             return req
         if req.constraint is not None:
             raise RequestError(req.constraint.field, "one output constraint per request (also given: tool_choice)")
-        return replace(req, constraint=calling.constraint())
+        return replace(req, constraint=constraint)
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:

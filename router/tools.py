@@ -1,4 +1,4 @@
-"""Tool calls (OpenAI's function calling) on chat completions, enforced by structured output.
+"""Tool calls (OpenAI's function calling) on chat completions.
 
     tools        [{"type": "function", "function": {name, description?, parameters?, strict?}}], checked,
                  and given to the chat template as transformers gives them (its `tools` variable)
@@ -9,14 +9,17 @@
                  "required"  one call or more (exactly one with parallel_tool_calls: false): the output
                              is constrained to a JSON array of {"name": ..., "parameters": ...}, each
                              item one tool's; finish_reason "tool_calls"
-                 "auto"      (OpenAI's default when tools are given) a 400: choosing between text and a
-                             call takes a parser of the model's own tool-call format, which Tandem has not
+                 "auto"      (OpenAI's default when tools are given) the model chooses, in its own
+                             format: with --tool-call-parser hermes (Qwen2.5, Hermes 2/3: text, then
+                             <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks) the blocks
+                             become the calls; without a parser, a 400
 
-The grammar makes every completed answer a valid call, whatever the model: no parser, nothing to
-retry. A "required" answer cut short by max_tokens is not JSON yet, so it comes back as content
-(finish_reason "length"); a named call cut short keeps its partial arguments, as it streamed them.
-Earlier calls sent back as history (an assistant's tool_calls, role "tool" answers) reach the
-template with their arguments parsed into objects, as templates that render tool calls expect.
+A named or required answer is made a valid call by the grammar, whatever the model: no parser,
+nothing to retry. A "required" answer cut short by max_tokens is not JSON yet, so it comes back as
+content (finish_reason "length"); a named call cut short keeps its partial arguments, as it streamed
+them. An "auto" answer whose blocks do not parse, or name no given tool, is text. Earlier calls sent
+back as history (an assistant's tool_calls, role "tool" answers) reach the template with their
+arguments parsed into objects, as templates that render tool calls expect.
 """
 
 from __future__ import annotations
@@ -34,19 +37,28 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 MAX_TOOLS = 128  # OpenAI's limit
 
 
+PARSERS = ("hermes",)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes' blocks
+
+
 @dataclass(frozen=True)
 class ToolCalling:
-    """What a chat request asks of its tools: a call of `name`, or calls of any (`name` None)."""
+    """What a chat request asks of its tools: a call of `name`; calls of any (`name` None); or, `auto`,
+    text or calls as the model chooses, in hermes' format."""
 
     schemas: dict[str, dict]  # tool name -> its parameters' JSON schema
     name: str | None
     parallel: bool
+    auto: bool = False
 
     @property
     def finish_reason(self) -> str:
+        """The finish_reason of an answer with calls that ended by itself."""
         return "stop" if self.name else "tool_calls"
 
-    def constraint(self) -> Constraint:
+    def constraint(self) -> Constraint | None:
+        if self.auto:
+            return None
         if self.name is not None:
             return Constraint("json_schema", self.schemas[self.name], "tool_choice")
         item = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
@@ -55,17 +67,46 @@ class ToolCalling:
         array = {"type": "array", "items": item, "minItems": 1}
         return Constraint("json_schema", array if self.parallel else {**array, "maxItems": 1}, "tool_choice")
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The answer's calls in OpenAI's shape, arguments as JSON text; None when it is no complete
-        list of calls (cut short)."""
+    def answer(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """(content, calls) of a whole answer, calls in OpenAI's shape (arguments as JSON text); calls
+        None when the answer is text (or cut short before its calls were complete)."""
         if self.name is not None:
-            return [call(self.name, text)]
+            return None, [call(self.name, text)]
+        if self.auto:
+            return self._hermes(text)
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
-            return None
+            return text, None
         assert isinstance(items, list) and all(i["name"] in self.schemas for i in items), "the grammar's shape"
-        return [call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+        return None, [call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+
+    def streamable(self, text: str) -> int:
+        """How much of an unfinished answer may stream as content: an auto answer's text up to where a
+        block opens (or might: a tail that could begin OPEN waits for the next tokens)."""
+        if not self.auto:
+            return 0
+        at = text.find(OPEN)
+        if at >= 0:
+            return at
+        held = next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
+        return len(text) - held
+
+    def _hermes(self, text: str) -> tuple[str | None, list[dict] | None]:
+        at = text.find(OPEN)
+        if at < 0:
+            return text, None
+        calls = []
+        for block in text[at:].split(OPEN)[1:]:
+            body = block.partition(CLOSE)[0]  # unclosed: the model ended right after its JSON (or was cut short)
+            try:
+                item = json.loads(body)
+            except json.JSONDecodeError:
+                return text, None
+            if not isinstance(item, dict) or item.get("name") not in self.schemas:
+                return text, None
+            calls.append(call(item["name"], json.dumps(item.get("arguments", {}), ensure_ascii=False)))
+        return text[:at].strip() or None, calls if self.parallel else calls[:1]
 
 
 def call(name: str, arguments: str) -> dict:
@@ -73,9 +114,10 @@ def call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def tool_calling(tools: list[dict] | None, tool_choice: str | dict | None,
-                 parallel_tool_calls: bool | None) -> ToolCalling | None:
-    """The checked choice; None when the answer is text. Every error names its field."""
+def tool_calling(tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None,
+                 parser: str | None = None) -> ToolCalling | None:
+    """The checked choice; None when the answer is text. parser: the router's --tool-call-parser, which
+    "auto" needs. Every error names its field."""
     schemas = _schemas(tools or [])
     if tool_choice is None:
         tool_choice = "auto" if schemas else "none"
@@ -83,20 +125,24 @@ def tool_calling(tools: list[dict] | None, tool_choice: str | dict | None,
         return None
     if not schemas:
         raise RequestError("tool_choice", "needs tools")
+    parallel = parallel_tool_calls is not False
     if tool_choice == "required":
-        return ToolCalling(schemas, None, parallel_tool_calls is not False)
+        return ToolCalling(schemas, None, parallel)
     if tool_choice == "auto":
-        raise RequestError("tool_choice", '"auto" (the default when tools are given) is not supported: it takes a '
-                                          "parser of the model's own tool-call format; send \"required\" (one call "
-                                          'or more), a named function ({"type": "function", "function": {"name": '
-                                          '...}}) or "none"')
+        if parser is None:
+            raise RequestError("tool_choice", '"auto" (the default when tools are given) needs the router started '
+                                              "with --tool-call-parser (the model's own tool-call format: "
+                                              f"{', '.join(PARSERS)}); without it send \"required\" (one call or "
+                                              'more), a named function ({"type": "function", "function": {"name": '
+                                              '...}}) or "none"')
+        return ToolCalling(schemas, None, parallel, auto=True)
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
         raise RequestError("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
                                           '"function": {"name": ...}}')
     if name not in schemas:
         raise RequestError("tool_choice.function.name", f"{name!r} is not one of the tools ({', '.join(schemas)})")
-    return ToolCalling(schemas, name, parallel_tool_calls is not False)
+    return ToolCalling(schemas, name, parallel)
 
 
 def _schemas(tools: list[dict]) -> dict[str, dict]:

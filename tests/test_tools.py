@@ -6,7 +6,10 @@
 - "required" answers one call or more of the given tools (one with parallel_tool_calls: false),
   finish_reason "tool_calls"; cut short by max_tokens, the partial text comes back as content
 - earlier calls and tools' answers sent back as history render as transformers renders them
-- what cannot be honoured ("auto", an unknown tool, two constraints) is a 400 naming the field
+- "auto" with the hermes parser: text, then <tool_call> blocks, answered as content and calls; streamed,
+  the text streams until a block opens (never a piece of the marker), the calls come whole at the end
+- what cannot be honoured ("auto" without a parser, an unknown tool, two constraints) is a 400 naming
+  the field
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from common.sampling import SamplingParams
 from router.chat import ChatFormatter
 from router.config import RouterConfig
-from router.core import RequestError
+from router.core import Delta, FinishReason, Request, RequestError
+from router.openai_format import ChatFormat
 from router.tools import tool_calling
 from tests.stack import running_stack
 from tests.test_chat_templates import save_transformers5_layout
@@ -42,8 +47,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def test_a_named_choice_is_constrained_to_that_tools_parameters():
     calling = tool_calling(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)
     assert calling.constraint().value == CLOCK and calling.finish_reason == "stop"
-    [c] = calling.calls('{"zone": "UTC"}')
-    assert c["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'} and c["id"].startswith("call_")
+    content, [c] = calling.answer('{"zone": "UTC"}')
+    assert content is None and c["id"].startswith("call_")
+    assert c["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
 
 
 def test_required_is_an_array_of_the_tools_calls_one_unless_parallel():
@@ -56,11 +62,11 @@ def test_required_is_an_array_of_the_tools_calls_one_unless_parallel():
                 [one, one]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    calls = tool_calling(TOOLS, "required", True).calls(json.dumps([one, {"name": "get_weather", "parameters": {
+    _, calls = tool_calling(TOOLS, "required", True).answer(json.dumps([one, {"name": "get_weather", "parameters": {
         "city": "Nîmes", "unit": "celsius"}}]))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_time", {"zone": "CET"}), ("get_weather", {"city": "Nîmes", "unit": "celsius"})]
-    assert tool_calling(TOOLS, "required", True).calls('[{"name": "get_ti') is None  # cut short
+    assert tool_calling(TOOLS, "required", True).answer('[{"name": "get_ti') == ('[{"name": "get_ti', None)
 
 
 def test_no_tools_or_none_is_text():
@@ -69,7 +75,7 @@ def test_no_tools_or_none_is_text():
 
 
 @pytest.mark.parametrize("tools,choice,field", [
-    (TOOLS, None, "tool_choice"),  # "auto", OpenAI's default with tools
+    (TOOLS, None, "tool_choice"),  # "auto", OpenAI's default with tools, and no parser
     (TOOLS, "auto", "tool_choice"),
     (None, "required", "tool_choice"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
@@ -84,6 +90,64 @@ def test_what_cannot_be_honoured_names_its_field(tools, choice, field):
     with pytest.raises(RequestError) as err:
         tool_calling(tools, choice, None)
     assert err.value.field == field
+
+
+HERMES = tool_calling(TOOLS, "auto", None, parser="hermes")
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ("It is sunny.", "It is sunny.", None),
+    ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', "Let me check.",
+     [("get_time", {"zone": "UTC"})]),
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n<tool_call>{"name": "get_weather", '
+     '"arguments": {"city": "Oslo"}}</tool_call>', None,
+     [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})]),
+    ('<tool_call>{"name": "get_time", "arguments": {}}', None, [("get_time", {})]),  # ended right after its JSON
+    ('<tool_call>{"name": "get_time", "argu', None, None),  # cut short: text
+    ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>', None, None),  # no such tool: text
+])
+def test_auto_reads_hermes_blocks_as_calls_and_anything_else_as_text(text, content, calls):
+    got_content, got_calls = HERMES.answer(text)
+    if calls is None:
+        assert (got_content, got_calls) == (text, None)
+    else:
+        assert got_content == content
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
+    assert HERMES.constraint() is None and HERMES.finish_reason == "tool_calls"
+
+
+def test_auto_streams_text_up_to_where_a_call_might_open():
+    assert HERMES.streamable("Hello") == 5
+    assert HERMES.streamable("Hello <tool") == len("Hello ")  # might open a block: wait
+    assert HERMES.streamable("Hello <tools are great") == len("Hello <tools are great")
+    assert HERMES.streamable('Hi <tool_call>{"na') == len("Hi ")
+    assert tool_calling(TOOLS, "required", None).streamable("[") == 0
+
+
+def stream_chat(fmt: ChatFormat, pieces: list[str], finish: FinishReason = FinishReason.STOP) -> list[dict]:
+    deltas = [Delta([i], p, completion_tokens=i + 1) for i, p in enumerate(pieces)]
+    deltas[-1].finish_reason = finish
+    return [c["choices"][0] for d in deltas if (c := fmt.chunk(d)) is not None]
+
+
+def test_an_auto_answer_streams_its_text_then_its_calls_whole():
+    req = Request(request_id="r", prompt_ids=[1], sampling=SamplingParams(), max_tokens=50)
+    fmt = ChatFormat(lambda ids: "", "m", req, True, tools=HERMES)
+    pieces = ["Checking", " the time <", "tool_", 'call>{"name": "get_time", ', '"arguments": {"zone": "CET"}}',
+              "</tool_call>"]
+    chunks = stream_chat(fmt, pieces)
+    assert [c["delta"].get("content") for c in chunks[:-1]] == ["Checking", " the time "]
+    assert chunks[0]["delta"]["role"] == "assistant" and "role" not in chunks[1]["delta"]
+    last = chunks[-1]
+    assert last["finish_reason"] == "tool_calls" and "content" not in last["delta"]
+    [tc] = last["delta"]["tool_calls"]
+    assert tc["index"] == 0 and tc["function"] == {"name": "get_time", "arguments": '{"zone": "CET"}'}
+    assert [t for c in chunks for t in c["token_ids"]] == list(range(len(pieces)))  # every token, once
+    plain = stream_chat(ChatFormat(lambda ids: "", "m", req, False, tools=HERMES), ["A <", "b> c"])
+    assert "".join(c["delta"]["content"] for c in plain) == "A <b> c" and plain[-1]["finish_reason"] == "stop"
+    fmt = ChatFormat(lambda ids: "", "m", req, False, tools=HERMES)
+    cut = stream_chat(fmt, ["x <tool_call>{"], FinishReason.LENGTH)
+    assert "".join(c["delta"]["content"] for c in cut) == "x <tool_call>{" and cut[-1]["finish_reason"] == "length"
 
 
 QWEN25_TOOLS = (
@@ -126,7 +190,8 @@ def test_history_with_calls_and_answers_renders_as_transformers(tmp_path):
 
 @pytest.fixture(scope="module")
 def stack(model_pair):
-    config = RouterConfig(max_num_batched_tokens=128, max_num_seqs=16, draft_timeout_s=5.0, target_grace_s=2.0)
+    config = RouterConfig(max_num_batched_tokens=128, max_num_seqs=16, draft_timeout_s=5.0, target_grace_s=2.0,
+                          tool_call_parser="hermes")
     with running_stack(model_pair, config) as s:
         s["client"] = OpenAI(base_url=f"{s['router'].url}/v1", api_key="unused", max_retries=0)
         yield s
@@ -209,8 +274,28 @@ def test_history_with_a_call_and_its_answer_is_served(stack):
     assert r.json()["choices"][0]["message"]["content"] and "tool_calls" not in r.json()["choices"][0]["message"]
 
 
+def test_auto_answers_text_and_the_calls_the_model_writes(stack):
+    """The tiny model writes no calls by itself: a regex makes it write one in hermes' format (auto adds
+    no constraint of its own, so the request may bring one)."""
+    regex = r'On it\.<tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+    r = chat(stack["router"].url, structured_outputs={"regex": regex})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "On it."
+    [c] = choice["message"]["tool_calls"]
+    assert c["function"]["name"] == "get_time" and json.loads(c["function"]["arguments"])["zone"] in ("UTC", "CET")
+    parts = list(stack["client"].chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"regex": regex}}))
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == "On it."
+    [streamed] = parts[-1].choices[0].delta.tool_calls
+    assert streamed.function.arguments == c["function"]["arguments"]
+    assert parts[-1].choices[0].finish_reason == "tool_calls"
+    text = chat(stack["router"].url, max_tokens=8).json()["choices"][0]  # no call written: text
+    assert text["finish_reason"] == "length" and text["message"]["content"] and "tool_calls" not in text["message"]
+
+
 @pytest.mark.parametrize("body,param", [
-    ({}, "tool_choice"),  # tools without tool_choice: "auto"
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_date"}}}, "tool_choice.function.name"),
     ({"tool_choice": "none", "messages": [{"role": "tool", "content": "x", "tool_calls": []}]},
