@@ -35,8 +35,6 @@ from router.structured import Constraint
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 MAX_TOOLS = 128  # OpenAI's limit
-
-
 PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes' blocks
 
@@ -136,7 +134,8 @@ def tool_calling(tools: list[dict] | None, tool_choice: str | dict | None, paral
                                               'more), a named function ({"type": "function", "function": {"name": '
                                               '...}}) or "none"')
         return ToolCalling(schemas, None, parallel, auto=True)
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
         raise RequestError("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
                                           '"function": {"name": ...}}')

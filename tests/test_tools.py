@@ -80,6 +80,7 @@ def test_no_tools_or_none_is_text():
     (None, "required", "tool_choice"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
     (TOOLS, {"type": "function"}, "tool_choice"),
+    (TOOLS, {"type": "function", "function": "get_time"}, "tool_choice"),
     (TOOLS, "sometimes", "tool_choice"),
     ([{"type": "retrieval"}], "required", "tools.0"),
     ([{"type": "function", "function": {"name": "has space"}}], "required", "tools.0.function.name"),
