@@ -2,7 +2,7 @@
 
 A request names only what it wants to change; everything else comes from the served model's
 generation_config.json (as transformers and vLLM apply it), else OpenAI's defaults
-(temperature 1, top_p 1, top_k 0). The router resolves them once, at the door.
+(temperature 1, top_p 1, top_k 0, min_p 0). The router resolves them once, at the door.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class InvalidField(ValueError):
         self.field = field
 
 
-def validate_sampling(temperature: float, top_p: float, top_k: int, field: str = "sampling") -> list[str]:
+def validate_sampling(temperature: float, top_p: float, top_k: int, field: str = "sampling",
+                      min_p: float = 0.0) -> list[str]:
     """Problems with these parameters, each naming its field ([] when valid)."""
     problems = []
     if not (temperature >= 0.0 and math.isfinite(temperature)):
@@ -34,6 +35,8 @@ def validate_sampling(temperature: float, top_p: float, top_k: int, field: str =
         problems.append(f"{field}.top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         problems.append(f"{field}.top_k must be >= 0, got {top_k}")
+    if not 0.0 <= min_p <= 1.0:
+        problems.append(f"{field}.min_p must be in [0, 1], got {min_p}")
     return problems
 
 
@@ -42,6 +45,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled
+    min_p: float = 0.0  # 0: disabled
     seed: int | None = None  # set: reproducible whatever shares the batch
     typical_acceptance: bool = False  # lossy opt-in (Medusa); strict rejection sampling otherwise
     # logits processors (proto/tandem/v1/common.proto says how each applies)
@@ -58,7 +62,7 @@ class SamplingParams:
 
     def check(self) -> None:
         """InvalidField naming the first bad parameter."""
-        problems = validate_sampling(self.temperature, self.top_p, self.top_k, "sampling")
+        problems = validate_sampling(self.temperature, self.top_p, self.top_k, "sampling", self.min_p)
         if problems:
             name = problems[0].split(" ", 1)[0].removeprefix("sampling.")
             raise InvalidField(name, problems[0].split(" ", 1)[1])
@@ -100,7 +104,7 @@ class SamplingParams:
         msg = common_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             acceptance=common_pb2.ACCEPTANCE_TYPICAL if self.typical_acceptance else common_pb2.ACCEPTANCE_STRICT)
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in ("presence_penalty", "frequency_penalty", "min_p"):
             if getattr(self, name):
                 setattr(msg, name, getattr(self, name))
         if self.repetition_penalty != 1.0:
@@ -114,8 +118,8 @@ class SamplingParams:
     @staticmethod
     def given_in(msg: common_pb2.SamplingParams) -> dict[str, object]:
         """The fields a proto message sets (for updated())."""
-        names = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "min_tokens")
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens")
         given: dict[str, object] = {name: getattr(msg, name) for name in names if msg.HasField(name)}
         if msg.acceptance == common_pb2.ACCEPTANCE_TYPICAL:
             given["typical_acceptance"] = True
@@ -134,4 +138,5 @@ class SamplingParams:
         if raw.get("do_sample") is False:
             return cls(temperature=0.0, repetition_penalty=repetition)
         return cls(temperature=float(raw.get("temperature", 1.0)), top_p=float(raw.get("top_p", 1.0)),
-                   top_k=int(raw.get("top_k", 0) or 0), repetition_penalty=repetition)
+                   top_k=int(raw.get("top_k", 0) or 0), min_p=float(raw.get("min_p", 0.0) or 0.0),
+                   repetition_penalty=repetition)

@@ -105,7 +105,7 @@ def sampling_spec(params: common_pb2.SamplingParams, field: str) -> SamplingSpec
     """Proto -> SamplingSpec; InvalidInput naming the field when a value is out of range."""
     # the router sets every field; an unset one means greedy, no top-p, no top-k, unseeded
     p = SamplingParams(temperature=0.0).updated(**SamplingParams.given_in(params))
-    problems = validate_sampling(p.temperature, p.top_p, p.top_k, field)
+    problems = validate_sampling(p.temperature, p.top_p, p.top_k, field, p.min_p)
     if problems:
         raise InvalidInput(field, "; ".join(problems))
-    return SamplingSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+    return SamplingSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed)

@@ -1,6 +1,7 @@
 """Token selection next to the logits, vectorised over the batch, on whatever device the logits are.
 
-Both services apply the same filters (temperature, top-k, top-p), so the draft's q and the
+Both services apply the same filters (temperature, then top-k, top-p and min-p, transformers'
+order), so the draft's q and the
 target's p are both distributions *after* filtering, as lossless rejection sampling requires.
 A row's filters touch that row only: a request's distribution never depends on its neighbours.
 
@@ -31,6 +32,7 @@ class SamplingSpec:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
 
     @property
@@ -39,7 +41,7 @@ class SamplingSpec:
 
     @property
     def filtered(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 def draw_uniform(seed: int | None, position: int, stream: int) -> float:
@@ -57,7 +59,7 @@ def uniforms(draws: Sequence[tuple[int | None, int, int]], device: torch.device 
 
 
 def filtered_probs(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
-    """Softmax(logits / T) restricted to each row's top-k and top-p set, renormalised. [N, V] float32.
+    """Softmax(logits / T) restricted to each row's top-k, top-p and min-p set, renormalised. [N, V] float32.
 
     Greedy rows (T = 0) come back one-hot on the argmax, which is the distribution greedy
     decoding samples from."""
@@ -69,7 +71,7 @@ def filtered_probs(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch
     rows = [i for i, s in enumerate(specs) if s.filtered]
     if rows:
         index = torch.tensor(rows, device=dev)
-        cut = _top_k_top_p(scaled.index_select(0, index), [specs[i] for i in rows])
+        cut = _top_k_top_p_min_p(scaled.index_select(0, index), [specs[i] for i in rows])
         scaled = scaled.index_copy(0, index, cut)
     probs = scaled.softmax(-1)
     greedy = [i for i, s in enumerate(specs) if s.greedy]
@@ -80,8 +82,10 @@ def filtered_probs(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch
     return probs
 
 
-def _top_k_top_p(scaled: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
-    """-inf outside each row's top-k and top-p set (rows here all asked for a filter)."""
+def _top_k_top_p_min_p(scaled: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """-inf outside each row's top-k, top-p and min-p set (rows here all asked for a filter). Min-p
+    compares a token with the most likely one, a ratio that top-k and top-p (which keep the most
+    likely token, and only rescale the rest) do not change: it reads the same sorted probabilities."""
     dev, vocab = scaled.device, scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ks = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in specs], device=dev)
@@ -91,7 +95,9 @@ def _top_k_top_p(scaled: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.T
     ps = torch.tensor([s.top_p if s.top_p > 0 else 1.0 for s in specs], device=dev)
     # drop a token when the mass before it already reaches top_p (the first token always stays)
     before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill(before >= ps[:, None], float("-inf"))
+    mins = torch.tensor([s.min_p for s in specs], device=dev)
+    dropped = (before >= ps[:, None]) | (sorted_probs < mins[:, None] * sorted_probs[:, :1])
+    sorted_logits = sorted_logits.masked_fill(dropped, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
 
 

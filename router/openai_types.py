@@ -1,6 +1,6 @@
 """OpenAI-compatible request bodies (completions and chat, and vLLM's tokenize and detokenize),
 checked and turned into Requests; chat's tools as router.tools takes them. Extensions beyond
-OpenAI's fields: top_k, ignore_eos,
+OpenAI's fields: top_k, min_p, ignore_eos,
 max_speculative_tokens, typical_acceptance, return_token_ids, tandem_metrics, and vLLM's
 repetition_penalty, min_tokens, stop_token_ids, add_generation_prompt, continue_final_message,
 structured_outputs (json, regex, choice, grammar, json_object) with its older
@@ -57,6 +57,7 @@ class _Common(BaseModel):
     temperature: StrictFloat | StrictInt | None = None
     top_p: StrictFloat | StrictInt | None = None
     top_k: StrictInt | None = None
+    min_p: StrictFloat | StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
@@ -91,7 +92,7 @@ class _Common(BaseModel):
         if len(stop) > MAX_STOP_STRINGS:
             raise RequestError("stop", f"at most {MAX_STOP_STRINGS} strings")
         sampling = defaults.updated(temperature=None if self.temperature is None else float(self.temperature),
-                                    top_p=None if self.top_p is None else float(self.top_p), top_k=self.top_k,
+                                    top_p=_float(self.top_p), top_k=self.top_k, min_p=_float(self.min_p),
                                     seed=self.seed, typical_acceptance=self.typical_acceptance or None,
                                     presence_penalty=_float(self.presence_penalty),
                                     frequency_penalty=_float(self.frequency_penalty),

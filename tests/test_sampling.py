@@ -93,3 +93,30 @@ def test_truncate_top_stops_at_the_mass_asked_for():
     torch.testing.assert_close(q[0], torch.tensor([0.70, 0.25, 0.0, 0.0]) / 0.95)
     torch.testing.assert_close(q[1], torch.tensor([0.30, 0.30, 0.20, 0.20]))  # 0.8 < 0.9 before the last one
     assert (truncate_top(probs, 2, mass=0.999)[1] > 0).sum(-1).tolist() == [2, 2], "at most n, whatever the mass"
+
+
+def test_filters_equal_transformers_warpers_in_their_order():
+    """temperature, then top-k, top-p and min-p, each as transformers' generate applies it: the kept set
+    and the renormalised probabilities of Tandem's one pass equal the chain of warpers."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * 3
+    for temperature, top_k, top_p, min_p in [(1.0, 0, 1.0, 0.1), (0.7, 50, 1.0, 0.05), (1.3, 0, 0.9, 0.2),
+                                             (0.9, 40, 0.8, 0.3), (1.0, 0, 1.0, 1.0)]:
+        warpers = [TemperatureLogitsWarper(temperature)]
+        warpers += [TopKLogitsWarper(top_k)] if top_k else []
+        warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+        warpers += [MinPLogitsWarper(min_p)]
+        want = LogitsProcessorList(warpers)(None, logits.clone()).softmax(-1)
+        spec = SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        got = filtered_probs(logits, [spec] * len(logits))
+        assert torch.equal(got > 0, want > 0), (temperature, top_k, top_p, min_p)
+        torch.testing.assert_close(got, want)
+    assert validate_sampling(1.0, 1.0, 0, "s", min_p=1.5) == ["s.min_p must be in [0, 1], got 1.5"]

@@ -185,6 +185,24 @@ def test_greedy_penalties_and_bias_equal_transformers_processors(stack):
     assert len(set(want[:cut])) > 10, "the penalties must matter for this test to mean anything"
 
 
+def test_min_p_one_samples_only_the_most_likely_token_so_equals_greedy(stack):
+    """min_p is applied on both services (the draft's q, the target's p): at min_p 1 a sampled request
+    keeps only each position's most likely token, so, speculation on, it is the greedy answer."""
+    router = stack["router"]
+    prompt = "def tokenize(text):\n    "
+    greedy = post(router.url, "/v1/completions", prompt=prompt, max_tokens=30, temperature=0, ignore_eos=True)
+    accepted = metric(router.url, "tandem:spec_decode_num_accepted_tokens_total")
+    for seed in (1, 2):
+        r = post(router.url, "/v1/completions", prompt=prompt, max_tokens=30, temperature=1.0, min_p=1.0, seed=seed,
+                 ignore_eos=True)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == greedy.json()["choices"][0]["token_ids"]
+    assert metric(router.url, "tandem:spec_decode_num_accepted_tokens_total") > accepted
+    free = post(router.url, "/v1/completions", prompt=prompt, max_tokens=30, temperature=1.0, seed=1, ignore_eos=True)
+    assert free.json()["choices"][0]["token_ids"] != greedy.json()["choices"][0]["token_ids"]
+    assert post(router.url, "/v1/completions", prompt=prompt, min_p=1.5).json()["error"]["param"] == "min_p"
+
+
 def test_n_choices_share_one_prompt_computation(stack):
     router, tok = stack["router"], stack["tok"]
     prompt = tok("import os\nimport sys\n\n\ndef main(argv):\n    ", add_special_tokens=False)["input_ids"]
