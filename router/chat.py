@@ -86,8 +86,8 @@ class ChatFormatter:
             text = "".join(_plain_turn(m["role"], m["content"]) for m in dicts)
             text += FALLBACK_GENERATION_PROMPT if add_generation_prompt else ""
         else:
-            text = self.template.render(messages=dicts, add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens, **extra)
+            variables = {**self.special_tokens, **extra}  # as transformers: the caller's win over the tokens'
+            text = self.template.render(messages=dicts, add_generation_prompt=add_generation_prompt, **variables)
         if not continue_final_message:
             return text
         final = dicts[-1]["content"].rstrip()

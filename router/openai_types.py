@@ -2,7 +2,7 @@
 checked and turned into Requests; chat's tools as router.tools takes them. Extensions beyond
 OpenAI's fields: top_k, min_p, ignore_eos,
 max_speculative_tokens, typical_acceptance, return_token_ids, tandem_metrics, and vLLM's
-repetition_penalty, min_tokens, stop_token_ids, add_generation_prompt, continue_final_message,
+repetition_penalty, min_tokens, stop_token_ids, add_generation_prompt, continue_final_message, chat_template_kwargs,
 structured_outputs (json, regex, choice, grammar, json_object) with its older
 guided_json/guided_regex/guided_choice/guided_grammar. Sampling fields left out (or null) take the
 served model's defaults (generation_config.json).
@@ -200,15 +200,14 @@ class ChatBody(_Common):
     tools: list[dict] | None = None  # router.tools
     tool_choice: StrictStr | dict | None = None
     parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: more template variables (Qwen3's enable_thinking, ...)
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
 
     def template_options(self) -> dict[str, object]:
-        """ChatFormatter.render's options: the template's flags, and the tools where given."""
-        options: dict[str, object] = template_options(self.messages, self.add_generation_prompt,
-                                                      self.continue_final_message)
-        return {**options, "tools": self.tools} if self.tools else options
+        return template_options(self.messages, self.add_generation_prompt, self.continue_final_message, self.tools,
+                                self.chat_template_kwargs)
 
     def tool_calling(self, parser: str | None = None) -> ToolCalling | None:
         """parser: the router's --tool-call-parser (tool_choice "auto" needs one)."""
@@ -252,14 +251,21 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def template_options(messages: list[ChatMessage], add_generation_prompt: bool,
-                     continue_final_message: bool) -> dict[str, bool]:
+def template_options(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                     tools: list[dict] | None = None, kwargs: dict | None = None) -> dict[str, object]:
     """ChatFormatter.render's options, checked: continuing the last message needs it to be the
-    assistant's, and no new turn opened after it."""
+    assistant's, and no new turn opened after it; the tools where given; the request's own template
+    variables (chat_template_kwargs), which may not replace those, or the messages."""
     if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
         raise RequestError("continue_final_message", "needs add_generation_prompt: false and an assistant message "
                                                      "last")
-    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+    options: dict[str, object] = {"add_generation_prompt": add_generation_prompt,
+                                  "continue_final_message": continue_final_message}
+    if tools:
+        options["tools"] = tools
+    if taken := sorted(set(kwargs or {}) & {*options, "messages", "tools"}):
+        raise RequestError("chat_template_kwargs", f"may not set {', '.join(taken)} (the request's own fields do)")
+    return {**(kwargs or {}), **options}
 
 
 class TokenizeBody(BaseModel):
@@ -271,15 +277,18 @@ class TokenizeBody(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
 
-    def chat(self) -> tuple[list[tuple[str, str]], dict[str, bool]] | None:
+    def chat(self) -> tuple[list[dict], dict[str, object]] | None:
         """The conversation and its template options, checked; None when a prompt was given instead."""
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("prompt", "give prompt or messages, one of them")
         if self.messages is None:
             return None
         return conversation(self.messages), template_options(self.messages, self.add_generation_prompt,
-                                                             self.continue_final_message)
+                                                             self.continue_final_message, self.tools,
+                                                             self.chat_template_kwargs)
 
 
 class DetokenizeBody(BaseModel):

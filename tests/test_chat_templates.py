@@ -139,3 +139,33 @@ def test_tojson_does_not_escape_html_or_unicode(tmp_path):
         [{"role": r, "content": c} for r, c in msgs], tools=tools, tokenize=False, add_generation_prompt=True)
     got = ChatFormatter.from_dir(d).render(msgs, tools=tools)
     assert got == want and '"<b>café</b> & more"' in got
+
+
+QWEN3_THINKING = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}{{- bos_token if say_bos is defined else '' }}")
+
+
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}, {"enable_thinking": True, "say_bos": 1},
+                                    {"bos_token": "<|begin_of_text|>", "say_bos": 1}])
+def test_chat_template_kwargs_render_as_transformers_template_kwargs(tmp_path, kwargs):
+    """vLLM's chat_template_kwargs are more template variables, as transformers' apply_chat_template takes
+    them (Qwen3's enable_thinking); they override the special tokens' variables as there, never the
+    request's own fields."""
+    from router.core import RequestError
+    from router.openai_types import ChatBody
+
+    d = save_transformers5_layout(tmp_path / "q3", QWEN3_THINKING, None)
+    messages = [{"role": "user", "content": "Hi"}]
+    body = ChatBody(model="m", messages=messages, chat_template_kwargs=kwargs)
+    codec = TextCodec(d)
+    got = asyncio.run(codec.encode_chat(body.conversation(), 100_000, body.template_options()))
+    codec.close()
+    want = AutoTokenizer.from_pretrained(d).apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                                return_dict=False, **(kwargs or {}))
+    assert got == want
+    for taken in ({"add_generation_prompt": False}, {"messages": []}, {"tools": []}):
+        with pytest.raises(RequestError, match="chat_template_kwargs"):
+            ChatBody(model="m", messages=messages, chat_template_kwargs=taken).template_options()
