@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -49,6 +50,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     sliding_window: int | None
+    qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalised (one weight per head dim) before RoPE
     # A draft's reduced output vocabulary (FR-Spec / EAGLE-3): its head scores only these many of
     # the vocabulary's tokens (ids in the checkpoint's lm_head.token_ids); None = the full vocabulary.
     head_vocab_size: int | None = None
@@ -82,7 +84,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' (SwiGLU)")
         num_heads = raw["num_attention_heads"]
         sliding = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=family,
@@ -99,6 +101,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             sliding_window=sliding,
+            qk_norm=family == "qwen3",
             head_vocab_size=raw.get("draft_vocab_size"),
         )
 

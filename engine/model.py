@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened varlen batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened varlen batch.
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are fused
 into one matmul each (fewer kernel launches; on CPU per-call overhead is what decode pays for).
@@ -109,11 +109,16 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, angles: Angles, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q | k | v]: q and k are rotated together, one pass
         qk_size, heads = self.q_size + self.kv_size, self.num_heads + self.num_kv_heads
-        qk = rotate(qkv[:, :qk_size].view(-1, heads, self.head_dim), angles)
+        qk = qkv[:, :qk_size].view(-1, heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        qk = rotate(qk, angles)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.write(self.layer, k, v, ctx.slot_mapping)

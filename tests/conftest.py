@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97, max_position_embeddings=256)
@@ -24,6 +24,7 @@ ARCHS = {
     "llama-tied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=True),
     "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=8),
     "qwen2": lambda: Qwen2Config(**SMALL),
+    "qwen3": lambda: Qwen3Config(**SMALL, head_dim=24),  # QK-norm; head_dim != hidden / heads
 }
 
 

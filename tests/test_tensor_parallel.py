@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine import EngineConfig, ModelRunner, SeqInput
 from engine.config import ModelConfig
@@ -25,9 +25,10 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(0, SMALL["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def model_dir(request, tmp_path_factory):
-    config = (LlamaConfig if request.param == "llama" else Qwen2Config)(**SMALL)  # qwen2: q/k/v biases
+    config = {"llama": lambda: LlamaConfig(**SMALL), "qwen2": lambda: Qwen2Config(**SMALL),  # qwen2: q/k/v biases
+              "qwen3": lambda: Qwen3Config(**SMALL, head_dim=24)}[request.param]()  # qwen3: per-head q/k norms
     return write_checkpoint(config, tmp_path_factory.mktemp(f"tp-{request.param}"), seed=5)
 
 
