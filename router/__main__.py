@@ -16,10 +16,11 @@ from router.config import RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
 from router.lanes import IncompatibleLimits
+from router.reasoning import PARSERS as REASONING_PARSERS
 from router.replicas import IncompatibleTarget
 from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
-from router.tools import PARSERS
+from router.tools import PARSERS as TOOL_PARSERS
 from router.tracing import RouterTracer
 
 
@@ -67,11 +68,16 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (default: sequences start from the KV blocks of their longest "
                         "prefix cached by each service, e.g. the earlier turns of a conversation)")
-    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
                    help="the served model's own tool-call format, which chat's tool_choice \"auto\" (OpenAI's default "
                         "when tools are given) needs: hermes = text, then <tool_call>{\"name\": ..., \"arguments\": "
                         "{...}}</tool_call> blocks (Qwen2.5, Hermes 2/3). Without it \"auto\" is a 400; a named "
                         "function and \"required\" need no parser (the output is constrained to the call)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="a reasoning model's thinking goes to chat's message.reasoning_content, apart from its "
+                        "answer: deepseek_r1 = the output starts inside a <think> block its template opened, up to "
+                        "</think> (DeepSeek-R1 and its distills); qwen3 = a block only where the output opens one "
+                        "with <think> (Qwen3)")
     p.add_argument("--target-timeout", type=float, default=d.target_timeout_s, help="deadline of one Step (s)")
     p.add_argument("--draft-timeout", type=float, default=d.draft_timeout_s,
                    help="deadline of one draft call (s); past it the affected sequences run with k = 0")
@@ -98,7 +104,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prompt_lookup=not args.no_prompt_lookup,
         prefix_caching=not args.no_prefix_caching,
         target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace,
-        lease_ttl_s=args.lease_ttl, tool_call_parser=args.tool_call_parser)
+        lease_ttl_s=args.lease_ttl, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:

@@ -7,7 +7,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from router.tools import PARSERS
+from router.reasoning import PARSERS as REASONING_PARSERS
+from router.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from common.tls import ClientTLS
@@ -37,6 +38,7 @@ class RouterConfig:
     tracer: RouterTracer | None = None  # OpenTelemetry spans (router.tracing); None: tracing off
     lease_ttl_s: float = 10.0  # a replica this router stops renewing is freed for others after this long
     tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice "auto" (router.tools)
+    reasoning_parser: str | None = None  # where a reasoning model's thinking ends (router.reasoning)
     router_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}")
 
     def __post_init__(self) -> None:
@@ -48,8 +50,10 @@ class RouterConfig:
             raise ValueError("k_max must be in [0, 16]")
         if self.max_waiting < 0 or self.max_model_len < 0 or self.max_body_bytes < 1024:
             raise ValueError("max_waiting and max_model_len must be >= 0, max_body_bytes >= 1024")
-        if self.tool_call_parser not in (None, *PARSERS):
-            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
+        if self.tool_call_parser not in (None, *TOOL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
         for name in ("target_timeout_s", "draft_timeout_s", "target_grace_s", "draft_retry_s", "lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -26,6 +26,7 @@ from router.engine import RequestStream, RouterEngine
 from router.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
 from router.openai_format import ChatFormat, CompletionFormat
 from router.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from router.reasoning import Reasoning
 from router.request_stats import report
 from router.tracing import RouterTracer
 
@@ -104,7 +105,10 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             calling = body.tool_calling(engine.config.tool_call_parser)
             ids = await engine.encode_chat(body.conversation(), **body.template_options())
             req = body.to_request(f"chatcmpl-{uuid.uuid4().hex}", ids, engine.sampling_defaults, calling)
-            fmt = ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=calling)
+            parser = engine.config.reasoning_parser  # a constrained output has no think block: nothing to parse
+            reasoning = Reasoning.named(parser) if parser and req.constraint is None else None
+            fmt = ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=calling,
+                             reasoning=reasoning)
             return await respond(request, body, engine.submit(req), fmt)
         except Refusal as e:
             return e.response

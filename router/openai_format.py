@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.core import Delta, FinishReason, Request
+from router.reasoning import Reasoning
 from router.tools import ToolCalling, call
 
 
@@ -107,26 +108,30 @@ class CompletionFormat:
 
 @dataclass
 class _Held:
-    """A streamed choice's answer so far, where tools decide what it is."""
+    """A streamed choice's answer so far, where reasoning or tools decide what it is."""
 
     deltas: list[Delta] = field(default_factory=list)  # since the last chunk written
     text: str = ""
-    sent: int = 0  # characters of text written (as content, or as a named call's arguments)
+    thought: int = 0  # characters of reasoning written
+    sent: int = 0  # characters of the answer written (as content, or as a named call's arguments)
+    called: bool = False  # a named call's id and name written
 
 
 class ChatFormat(CompletionFormat):
-    """Chat answers; with tools (router.tools), the answer's calls as message.tool_calls. Streamed, a
-    named call's arguments stream as they come (its id and name in the first chunk); "required" calls
-    come whole in the choice's last chunk; an "auto" answer streams its text until a call opens, its
-    calls come whole in the last chunk. A chunk carries the logprobs and token ids of the deltas since
-    the choice's chunk before it."""
+    """Chat answers. With a reasoning parser (router.reasoning), the thinking as reasoning_content;
+    with tools (router.tools), the answer's calls as message.tool_calls. Streamed: reasoning as it
+    comes, then the answer's text; a named call's arguments stream as they come (its id and name
+    first); "required" calls come whole in the choice's last chunk; an "auto" answer streams its
+    text until a call opens, its calls come whole in the last chunk. A chunk carries the logprobs and
+    token ids of the deltas since the choice's chunk before it."""
 
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, tools: ToolCalling | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tools: ToolCalling | None = None, reasoning: Reasoning | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.tools = tools
+        self.tools, self.reasoning = tools, reasoning
         self._held: dict[int, _Held] = {}
 
     def _logprobs(self, deltas: list[Delta]) -> dict | None:
@@ -139,15 +144,22 @@ class ChatFormat(CompletionFormat):
 
     def _choice(self, deltas: list[Delta], streamed: bool) -> dict:
         text = "".join(d.text for d in deltas)
-        if self.tools is None:
+        if self.tools is None and self.reasoning is None:
             return self._message(deltas, streamed, {"content": text}, _finish(deltas[-1]))
-        content, calls = self.tools.answer(text)
-        body = {"content": content} if calls is None else {"content": content, "tool_calls": calls}
-        return self._message(deltas, streamed, body, self._tool_finish(deltas[-1], calls))
+        assert not streamed, "chunk() writes these"
+        reasoning, answer = self.reasoning.split(text, True) if self.reasoning else ("", text)
+        content, calls = self.tools.answer(answer or "") if self.tools and answer is not None else (answer, None)
+        body: dict[str, Any] = {"content": content}
+        if self.reasoning is not None:
+            body["reasoning_content"] = reasoning or None
+        if calls is not None:
+            body["tool_calls"] = calls
+        return self._message(deltas, False, body, self._tool_finish(deltas[-1], calls))
 
     def _tool_finish(self, last: Delta, calls: list[dict] | None) -> str | None:
-        assert self.tools is not None
-        return self.tools.finish_reason if calls and last.finish_reason == FinishReason.STOP else _finish(last)
+        if calls and self.tools is not None and last.finish_reason == FinishReason.STOP:
+            return self.tools.finish_reason
+        return _finish(last)
 
     def _message(self, deltas: list[Delta], streamed: bool, body: dict, finish: str | None) -> dict:
         index = deltas[-1].index
@@ -158,33 +170,49 @@ class ChatFormat(CompletionFormat):
                 "finish_reason": finish}
 
     def chunk(self, d: Delta) -> dict | None:
-        """None while what the held text is cannot be told yet (a call being written)."""
-        if self.tools is None:
+        """None while what the held text is cannot be told yet (a marker or a call being written)."""
+        if self.tools is None and self.reasoning is None:
             return super().chunk(d)
         held = self._held.setdefault(d.index, _Held())
         held.deltas.append(d)
         held.text += d.text
-        if self.tools.name is not None:  # a named call's arguments, as they come
-            piece, held.sent = held.text[held.sent:], len(held.text)
-            if d.index not in self._started:
-                body = {"content": None, "tool_calls": [{"index": 0, **call(self.tools.name, piece)}]}
-            else:
-                body = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
-            finish = self._tool_finish(d, [{}]) if d.finish_reason else None
-        elif d.finish_reason is None:
-            upto = self.tools.streamable(held.text)
-            if upto <= held.sent:
-                return None
-            body, finish, held.sent = {"content": held.text[held.sent:upto]}, None, upto
-        else:
-            calls = self.tools.answer(held.text)[1]
-            if calls is None:
-                body = {"content": held.text[held.sent:]}
-            else:
-                body = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-                body = {"content": None, **body} if held.sent == 0 else body
-            finish = self._tool_finish(d, calls)
+        finished = d.finish_reason is not None
+        reasoning, answer = self.reasoning.split(held.text, finished) if self.reasoning else ("", held.text)
+        body: dict[str, Any] = {}
+        if len(reasoning) > held.thought:
+            body["reasoning_content"], held.thought = reasoning[held.thought:], len(reasoning)
+        finish = _finish(d) if finished else None
+        if answer is not None:
+            part, finish = self._answer_part(held, answer, d)
+            body.update(part)
+        if not body and not finished:
+            return None
         deltas, held.deltas = held.deltas, []
-        if d.finish_reason is not None:
+        if finished:
             del self._held[d.index]
         return self._base([self._with_ids(self._message(deltas, True, body, finish), deltas)], self.chunk_name)
+
+    def _answer_part(self, held: _Held, answer: str, d: Delta) -> tuple[dict, str | None]:
+        """What of the answer this chunk writes, and its finish_reason."""
+        finished, tools = d.finish_reason is not None, self.tools
+        if tools is not None and tools.name is not None:  # a named call's arguments, as they come
+            piece, held.sent = answer[held.sent:], len(answer)
+            if not held.called:
+                held.called = True
+                return {"content": None, "tool_calls": [{"index": 0, **call(tools.name, piece)}]}, \
+                    self._tool_finish(d, [{}]) if finished else None
+            body = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
+            return body, self._tool_finish(d, [{}]) if finished else None
+        if not finished:
+            upto = tools.streamable(answer) if tools is not None else len(answer)
+            body = {"content": answer[held.sent:upto]} if upto > held.sent else {}
+            held.sent = max(held.sent, upto)
+            return body, None
+        content, calls = tools.answer(answer) if tools is not None else (answer, None)
+        if calls is None:
+            rest = answer[held.sent:]
+            return ({"content": rest} if rest else {}), _finish(d)
+        body = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        if held.sent < len(content or ""):  # the text before the calls, where it came with them
+            return {"content": content[held.sent:], **body}, self._tool_finish(d, calls)
+        return ({"content": None, **body} if held.sent == 0 else body), self._tool_finish(d, calls)

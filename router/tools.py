@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 
 from router.core import RequestError
+from router.reasoning import without_partial
 from router.structured import Constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -85,10 +86,7 @@ class ToolCalling:
         if not self.auto:
             return 0
         at = text.find(OPEN)
-        if at >= 0:
-            return at
-        held = next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
-        return len(text) - held
+        return at if at >= 0 else len(without_partial(text, OPEN))
 
     def _hermes(self, text: str) -> tuple[str | None, list[dict] | None]:
         at = text.find(OPEN)
@@ -104,7 +102,7 @@ class ToolCalling:
             if not isinstance(item, dict) or item.get("name") not in self.schemas:
                 return text, None
             calls.append(call(item["name"], json.dumps(item.get("arguments", {}), ensure_ascii=False)))
-        return text[:at].strip() or None, calls if self.parallel else calls[:1]
+        return text[:at] or None, calls if self.parallel else calls[:1]  # the text as written (as vLLM's)
 
 
 def call(name: str, arguments: str) -> dict:

@@ -1,0 +1,127 @@
+"""A reasoning model's thinking as chat's reasoning_content (router.reasoning), apart from its answer:
+
+- deepseek_r1: the output starts inside a think block, up to </think>; cut short, all of it is reasoning
+- qwen3: a block only where the output opens one with <think>; otherwise all of it is the answer
+- streamed in any pieces, the reasoning and the answer add up to the whole answer's; no chunk shows a
+  piece of a marker; every token's id arrives once; with tools, the calls are read from the answer only
+- through the stack: a greedy chat's reasoning is the text the same prompt completes to; a constrained
+  request has no think block, so nothing is taken from it
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from common.sampling import SamplingParams
+from router.config import RouterConfig
+from router.core import Delta, FinishReason, Request
+from router.openai_format import ChatFormat
+from router.reasoning import Reasoning
+from router.tools import tool_calling
+from tests.stack import running_stack
+
+R1, QWEN3 = Reasoning.named("deepseek_r1"), Reasoning.named("qwen3")
+
+
+@pytest.mark.parametrize("parser,text,finished,want", [
+    (R1, "plan it</think>\n\nParis.", True, ("plan it", "\n\nParis.")),
+    (R1, "<think>plan it</think>Paris.", True, ("plan it", "Paris.")),  # a model that writes the tag itself
+    (R1, "plan it", True, ("plan it", None)),  # cut short while thinking
+    (R1, "plan it</th", False, ("plan it", None)),  # "</th" may be the marker: held back
+    (R1, "a < b", False, ("a < b", None)),
+    (QWEN3, "<think>\nhmm\n</think>\n\nHi", True, ("\nhmm\n", "\n\nHi")),
+    (QWEN3, "Hi there", True, ("", "Hi there")),  # no block opened: all answer
+    (QWEN3, "<th", False, ("", None)),  # may be opening a block
+    (QWEN3, "<th", True, ("", "<th")),
+    (QWEN3, "<think>hmm", True, ("hmm", None)),
+    (QWEN3, "<b>bold</b>", False, ("", "<b>bold</b>")),
+])
+def test_split(parser, text, finished, want):
+    assert parser.split(text, finished) == want
+
+
+def request() -> Request:
+    return Request(request_id="r", prompt_ids=[1], sampling=SamplingParams(), max_tokens=99)
+
+
+def stream(fmt: ChatFormat, pieces: list[str], finish: FinishReason = FinishReason.STOP) -> list[dict]:
+    deltas = [Delta([i], p, completion_tokens=i + 1) for i, p in enumerate(pieces)]
+    deltas[-1].finish_reason = finish
+    return [c["choices"][0] for d in deltas if (c := fmt.chunk(d)) is not None]
+
+
+def pieces_of(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+CASES = [
+    (R1, None, "Step 1: the user wants a city. </think>\n\nParis is the capital."),
+    (R1, None, "no end to this thinking"),
+    (QWEN3, None, "<think>\nthey ask for the time</think>\n\nIt is <b>noon</b>."),
+    (QWEN3, None, "Plain answer with a <tag> and a < sign"),
+    (QWEN3, "hermes", '<think>need a tool</think>On it.<tool_call>{"name": "now", "arguments": {"tz": "UTC"}}'
+                      '</tool_call>'),
+]
+
+
+@pytest.mark.parametrize("parser,tools,text", CASES)
+def test_streamed_in_any_pieces_adds_up_to_the_whole_answer(parser, tools, text):
+    calling = tool_calling([{"type": "function", "function": {"name": "now"}}], "auto", None, tools) if tools else None
+    whole = ChatFormat(lambda ids: "", "m", request(), True, tools=calling, reasoning=parser)
+    [choice] = whole.whole([Delta([0], text, finish_reason=FinishReason.STOP, completion_tokens=1)])["choices"]
+    want = choice["message"]
+    rng = random.Random(0)
+    for _ in range(40):
+        pieces = pieces_of(text, rng)
+        fmt = ChatFormat(lambda ids: "", "m", request(), True, tools=calling, reasoning=parser)
+        chunks = stream(fmt, pieces)
+        deltas = [c["delta"] for c in chunks]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == (want["reasoning_content"] or "")
+        assert "".join(d.get("content") or "" for d in deltas) == (want["content"] or "")
+        assert [tc["function"] for d in deltas for tc in d.get("tool_calls", [])] == \
+            [tc["function"] for tc in want.get("tool_calls", [])]
+        for d in deltas:  # never a piece of a marker
+            assert not any(m in (d.get("content") or "") for m in ("<think>", "</think>", "</th", "<tool_call"))
+        assert [t for c in chunks for t in c["token_ids"]] == list(range(len(pieces)))
+        assert chunks[-1]["finish_reason"] == choice["finish_reason"]
+    if tools:
+        assert want["content"] == "On it." and want["reasoning_content"] == "need a tool"
+        assert choice["finish_reason"] == "tool_calls"
+
+
+# -- through the stack --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stack(model_pair):
+    config = RouterConfig(max_num_batched_tokens=128, max_num_seqs=16, draft_timeout_s=5.0, target_grace_s=2.0,
+                          reasoning_parser="deepseek_r1")
+    with running_stack(model_pair, config) as s:
+        yield s
+
+
+def post(url: str, path: str, **body) -> httpx.Response:  # noqa: ANN003
+    return httpx.post(f"{url}{path}", json={"model": "tiny", "temperature": 0, "max_tokens": 24, **body}, timeout=60)
+
+
+def test_a_thinking_answer_is_reasoning_and_a_constrained_one_is_content(stack):
+    url = stack["router"].url
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    prompt = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+    completed = post(url, "/v1/completions", prompt=prompt).json()["choices"][0]["text"]
+    r = post(url, "/v1/chat/completions", messages=messages)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    # the tiny model never writes </think>: as for a DeepSeek-R1 cut short, all of it is reasoning
+    assert message["reasoning_content"] == completed and message["content"] is None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 24, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("reasoning_content") or "" for e in events) == completed
+    constrained = post(url, "/v1/chat/completions", messages=messages, response_format={"type": "json_object"})
+    message = constrained.json()["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"].startswith("{")
