@@ -178,6 +178,7 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls, sent back as history
     tool_call_id: StrictStr | None = None  # a tool's answer: which call it answers
+    reasoning_content: StrictStr | None = None  # an assistant's earlier thinking, for templates that render it
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -247,6 +248,10 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
             if m.role != "tool":
                 raise RequestError(f"messages.{i}.tool_call_id", "only a tool's message answers a tool call")
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            if m.role != "assistant":
+                raise RequestError(f"messages.{i}.reasoning_content", "only an assistant's message carries reasoning")
+            message["reasoning_content"] = m.reasoning_content
         out.append(message)
     return out
 

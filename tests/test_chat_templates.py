@@ -169,3 +169,65 @@ def test_chat_template_kwargs_render_as_transformers_template_kwargs(tmp_path, k
     for taken in ({"add_generation_prompt": False}, {"messages": []}, {"tools": []}):
         with pytest.raises(RequestError, match="chat_template_kwargs"):
             ChatBody(model="m", messages=messages, chat_template_kwargs=taken).template_options()
+
+
+# In the style of Qwen3's template: the last real user query found by a reversed loop, thinking
+# split out of earlier answers' content (or taken from reasoning_content), tool calls with their
+# arguments as objects, consecutive tool answers folded into one user turn.
+QWEN3_STYLE = """{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for tool in tools %}
+{{- '\\n' + (tool | tojson) }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
+{%- if ns.multi_step_tool and message.role == "user" and message.content is string
+      and not message.content.startswith('<tool_response>') %}
+{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+{%- set content = message.content if message.content is string else '' %}
+{%- if message.role == "user" or message.role == "system" %}
+{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- elif message.role == "assistant" %}
+{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+{%- if not reasoning and '</think>' in content %}
+{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if loop.index0 > ns.last_query_index and reasoning %}
+{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}{{- content }}
+{%- for call in message.tool_calls or [] %}{%- set call = call.function if call.function else call %}
+{{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+{{- call.arguments if call.arguments is string else call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+{%- endfor %}{{- '<|im_end|>\\n' }}
+{%- elif message.role == "tool" %}
+{%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}"""
+
+
+def test_a_qwen3_style_agent_conversation_renders_as_transformers(tmp_path):
+    """Tools, a call with its arguments, two tool answers, thinking given as reasoning_content and as
+    <think> in content, enable_thinking: the prompt is transformers' to the character."""
+    from router.openai_types import ChatBody
+
+    d = save_transformers5_layout(tmp_path / "q3", QWEN3_STYLE, None)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    sent = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "<think>\ngreet\n</think>\n\nHello!"},
+            {"role": "user", "content": "Weather in Oslo and Bergen?"},
+            {"role": "assistant", "content": "", "reasoning_content": "two cities", "tool_calls": [call, call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+            {"role": "tool", "tool_call_id": "c1", "content": "sun"}]
+    body = ChatBody(model="m", messages=sent, tools=tools, tool_choice="none",
+                    chat_template_kwargs={"enable_thinking": False})
+    got = ChatFormatter.from_dir(d).render(body.conversation(), **body.template_options())
+    parsed = {**call, "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    hf_messages = [*sent[:4], {**sent[4], "tool_calls": [parsed, parsed]}, *sent[5:]]
+    want = AutoTokenizer.from_pretrained(d).apply_chat_template(hf_messages, tools=tools, tokenize=False,
+                                                                add_generation_prompt=True, enable_thinking=False)
+    assert got == want
+    assert "<think>\ntwo cities\n</think>" in got and "greet" not in got and got.count("<tool_response>") == 2
