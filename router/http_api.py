@@ -1,4 +1,4 @@
-"""HTTP front door (FastAPI): OpenAI-compatible completions and chat (SSE streaming), vLLM's
+"""HTTP front door (FastAPI): OpenAI-compatible completions, chat and responses (SSE streaming), vLLM's
 tokenize and detokenize, models, health, readiness and Prometheus metrics. Errors use OpenAI's
 shape and name the bad field.
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 import uuid
@@ -22,12 +21,15 @@ from pydantic import BaseModel
 
 from common.logs import bind
 from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
+from router.core import Request as CoreRequest
 from router.engine import RequestStream, RouterEngine
 from router.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
 from router.openai_format import ChatFormat, CompletionFormat
 from router.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from router.reasoning import Reasoning
 from router.request_stats import report
+from router.responses_body import ResponsesBody
+from router.responses_format import ResponsesFormat
 from router.tracing import RouterTracer
 
 log = logging.getLogger(__name__)
@@ -98,18 +100,34 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         except (RequestError, Overloaded, ServiceUnavailable) as e:
             return error_response(e)
 
+    async def chat_request(body: ChatBody, request_id: str) -> tuple[CoreRequest, ChatFormat]:
+        calling = body.tool_calling(engine.config.tool_call_parser)
+        ids = await engine.encode_chat(body.conversation(), **body.template_options())
+        req = body.to_request(request_id, ids, engine.sampling_defaults, calling)
+        parser = engine.config.reasoning_parser  # a constrained output has no think block: nothing to parse
+        reasoning = Reasoning.named(parser) if parser and req.constraint is None else None
+        return req, ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=calling,
+                               reasoning=reasoning)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
             body = await parse(request, ChatBody)
-            calling = body.tool_calling(engine.config.tool_call_parser)
-            ids = await engine.encode_chat(body.conversation(), **body.template_options())
-            req = body.to_request(f"chatcmpl-{uuid.uuid4().hex}", ids, engine.sampling_defaults, calling)
-            parser = engine.config.reasoning_parser  # a constrained output has no think block: nothing to parse
-            reasoning = Reasoning.named(parser) if parser and req.constraint is None else None
-            fmt = ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=calling,
-                             reasoning=reasoning)
+            req, fmt = await chat_request(body, f"chatcmpl-{uuid.uuid4().hex}")
             return await respond(request, body, engine.submit(req), fmt)
+        except Refusal as e:
+            return e.response
+        except (RequestError, Overloaded, ServiceUnavailable) as e:
+            return error_response(e)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless: the chat request it means (router.responses_body), its answer
+        as output items and semantic events (router.responses_format)."""
+        try:
+            body = await parse(request, ResponsesBody)
+            req, chat = await chat_request(body.chat(), f"resp-{uuid.uuid4().hex}")
+            return await respond(request, body, engine.submit(req), ResponsesFormat(chat, body, model_name))
         except Refusal as e:
             return e.response
         except (RequestError, Overloaded, ServiceUnavailable) as e:
@@ -125,17 +143,20 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
 
     async def sse(fmt, stream: RequestStream, usage: bool) -> AsyncIterator[str]:  # noqa: ANN001
         seen: list[Delta] = []
+        failed = False
         try:
+            for event in fmt.opening():
+                yield event
             async for delta in stream:
                 if delta.error is not None:
-                    yield f"data: {json.dumps(public_error(delta.error)[1])}\n\n"
+                    yield fmt.error_event(public_error(delta.error)[1])
+                    failed = True
                     break
-                if (delta.text or delta.token_ids or delta.finish_reason) and (chunk := fmt.chunk(delta)) is not None:
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                for event in fmt.events(delta):
+                    yield event
                 seen.append(delta)
-            if usage and seen:
-                yield f"data: {json.dumps(fmt.usage_chunk(seen))}\n\n"
-            yield "data: [DONE]\n\n"
+            for event in fmt.closing(seen, usage, failed):
+                yield event
         finally:
             await stream.aclose()  # a client that went away frees its KV in both services
 

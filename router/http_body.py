@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from router.openai_types import HARMLESS, _Common
+from router.openai_types import HARMLESS
 
 DRAIN_LIMIT_BYTES = 1 << 30  # past this an oversized body is cut off (connection closed) instead of drained
 PARSE_OFF_LOOP_BYTES = 256 * 2**10  # larger bodies are parsed on a thread
@@ -77,7 +77,7 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
     if bad is not None:
         raise Refusal(error(400, f"{bad or 'body'}: a string holds an unpaired UTF-16 surrogate escape (such as "
                                  f"\\ud800), which is no Unicode text", bad or None))
-    unknown = model.unsupported(data) if issubclass(model, _Common) else []
+    unknown = model.unsupported(data) if hasattr(model, "unsupported") else []
     if unknown:
         raise Refusal(error(400, f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
                                  f"(Tandem does not implement {'them' if len(unknown) > 1 else 'it'})", unknown[0]))

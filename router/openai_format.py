@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ def _finish(delta: Delta) -> str | None:
     return "stop" if delta.finish_reason in (FinishReason.STOP, FinishReason.ABORT) else delta.finish_reason.value
 
 
-def _usage(deltas: list[Delta], n: int) -> dict:
+def count_usage(deltas: list[Delta], n: int) -> dict:
     """Each prompt once (choices p x n .. p x n + n - 1 share prompt p), the completion tokens of every choice."""
     last = {d.index: d for d in deltas}
     prompt = sum({i // n: d.prompt_tokens for i, d in last.items()}.values())
@@ -57,7 +58,7 @@ class CompletionFormat:
         self._started: set[int] = set()  # choices whose first chunk was written
 
     def _usage(self, deltas: list[Delta]) -> dict:
-        usage = _usage(deltas, self.req.n)
+        usage = count_usage(deltas, self.req.n)
         if self.metrics is not None:
             usage["tandem_metrics"] = self.metrics()
         return usage
@@ -97,6 +98,21 @@ class CompletionFormat:
 
     def chunk(self, d: Delta) -> dict:
         return self._base([self._with_ids(self._choice([d], True), [d])], self.chunk_name)
+
+    # the SSE stream (http_api writes what these return; router.responses_format has its own)
+    def opening(self) -> list[str]:
+        return []
+
+    def events(self, d: Delta) -> list[str]:
+        if not (d.text or d.token_ids or d.finish_reason) or (chunk := self.chunk(d)) is None:
+            return []
+        return [f"data: {json.dumps(chunk)}\n\n"]
+
+    def closing(self, seen: list[Delta], usage: bool, failed: bool = False) -> list[str]:
+        return ([f"data: {json.dumps(self.usage_chunk(seen))}\n\n"] if usage and seen else []) + ["data: [DONE]\n\n"]
+
+    def error_event(self, error: dict) -> str:
+        return f"data: {json.dumps(error)}\n\n"
 
     def usage_chunk(self, deltas: list[Delta]) -> dict:
         return {**self._base([], self.chunk_name), "usage": self._usage(deltas)}
