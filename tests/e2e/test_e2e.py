@@ -275,9 +275,10 @@ def test_seeded_sampling_reproducible(client, model):
 
 
 
-def test_structured_output_and_n_with_the_official_client(client, model):
+def test_structured_output_n_tools_and_responses_with_the_official_client(client, model):
     """response_format json_schema and n through the openai client: every choice parses and validates;
-    tools, which Tandem does not implement, are a 400 naming them rather than free text."""
+    a required tool call is a valid call; tool_choice "auto" without a parser is a 400 naming it rather
+    than free text; the Responses API answers the chat answer as an output item."""
     import json
 
     import jsonschema
@@ -292,6 +293,16 @@ def test_structured_output_and_n_with_the_official_client(client, model):
     for choice in out.choices:
         jsonschema.validate(json.loads(choice.message.content), schema)
         assert choice.finish_reason == "stop"
-    with pytest.raises(BadRequestError, match="tools"):
+    tools = [{"type": "function", "function": {"name": "record", "parameters": schema}}]
+    called = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], tools=tools,
+                                            tool_choice="required", parallel_tool_calls=False, temperature=0)
+    [call] = called.choices[0].message.tool_calls
+    assert call.function.name == "record" and called.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    with pytest.raises(BadRequestError, match="tool_choice"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                          temperature=0)
+    answer = client.responses.create(model=model, input="Hi", max_output_tokens=12, temperature=0)
+    assert answer.output_text == chat.choices[0].message.content and answer.usage.output_tokens == 12
