@@ -96,6 +96,7 @@ class Delta:
     completion_tokens: int = 0
     index: int = 0  # which of the request's n choices
     prompt_logprobs: list[TokenLogprob] | None = None  # first Delta: prompt tokens 1.. (Request.prompt_logprobs)
+    cached_tokens: int = 0  # prompt tokens the target took from its prefix cache instead of computing them
 
 
 class SeqStatus(enum.Enum):

@@ -20,11 +20,16 @@ def _finish(delta: Delta) -> str | None:
 
 
 def count_usage(deltas: list[Delta], n: int) -> dict:
-    """Each prompt once (choices p x n .. p x n + n - 1 share prompt p), the completion tokens of every choice."""
+    """Each prompt once (choices p x n .. p x n + n - 1 share prompt p), the completion tokens of every choice,
+    and (OpenAI's prompt_tokens_details) the prompt tokens the target's prefix cache held."""
     last = {d.index: d for d in deltas}
     prompt = sum({i // n: d.prompt_tokens for i, d in last.items()}.values())
+    cached: dict[int, int] = {}
+    for i, d in last.items():  # a prompt's choices fork its computation: the one that attached says how much
+        cached[i // n] = max(cached.get(i // n, 0), d.cached_tokens)
     completion = sum(d.completion_tokens for d in last.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def by_choice(deltas: list[Delta]) -> list[list[Delta]]:

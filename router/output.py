@@ -41,6 +41,7 @@ class OutputBuilder:
         self.chars_scanned = 0  # stop-string search work, for the linearity test
         self._prompt_logprobs: dict[int, TokenLogprob] = {}  # position -> logprob of the prompt token there
         self._prompt_sent = False  # the first Delta went out (it carries the prompt's logprobs)
+        self.cached_prompt_tokens = 0  # prompt tokens the target attaches from its prefix cache (router.prefix)
 
     def scored(self, start: int, logprobs: list[TokenLogprob]) -> None:
         """Logprobs of prompt tokens start, start + 1, ... (a recomputed chunk scores them again, alike)."""
@@ -128,10 +129,11 @@ class OutputBuilder:
         self._sent_tokens, self._prompt_sent = len(self.output_ids), True
         return Delta(token_ids=new_tokens, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
                      completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
-                     index=self.index, prompt_logprobs=self.scored_prompt() if first else None)
+                     index=self.index, prompt_logprobs=self.scored_prompt() if first else None,
+                     cached_tokens=self.cached_prompt_tokens)
 
     def abort(self, reason: FinishReason, error: Exception | None = None) -> Delta:
         self.finish_reason = reason
         return Delta(token_ids=[], text="", finish_reason=reason, error=error,
                      completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
-                     index=self.index)
+                     index=self.index, cached_tokens=self.cached_prompt_tokens)

@@ -160,6 +160,8 @@ class PrefixCaches:
         self.target.fit(free_blocks)
         seq.prefix.target = self._lookup(seq, self.target, "target")
         seq.target_cached = seq.prefix.target.tokens
+        if seq.output is not None and seq.num_output == 0:  # its usage's cached_tokens (a refused attach replans)
+            seq.output.cached_prompt_tokens = min(seq.target_cached, seq.num_prompt)
 
     def _lookup(self, seq: Sequence, mirror: PrefixMirror, service: str) -> Attach:
         if not attachable(seq):

@@ -13,8 +13,7 @@ Streamed as OpenAI's semantic events, each `event: TYPE` with its JSON (type, se
                response.content_part.done (message, reasoning), response.output_item.done
     response.completed (or response.incomplete, reason max_output_tokens), the whole response in it
 
-usage.input_tokens_details.cached_tokens is 0: the router does not count a request's prefix-cache
-hits apart (tandem:prefix_cache_hits counts them all).
+usage.input_tokens_details.cached_tokens: the prompt tokens the target's prefix cache held.
 """
 
 from __future__ import annotations
@@ -88,7 +87,8 @@ class ResponsesFormat:
             "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled",
             "metadata": {}, "usage": None if usage is None else {
                 "input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                         "cache_write_tokens": 0},
                 "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"]},
         }

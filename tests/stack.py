@@ -175,3 +175,11 @@ def running_stack(model_pair: tuple[Path, Path], config: RouterConfig,
         for part in parts.values():
             if part.thread.is_alive():
                 part.stop()
+
+
+def counts(usage: dict) -> dict:
+    """A usage's token counts, its prompt_tokens_details checked apart (the prefix cache's share of the
+    prompt, which depends on what ran before)."""
+    rest = {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage
+    return rest

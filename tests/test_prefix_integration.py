@@ -23,13 +23,14 @@ def user(conv: int, turn: int) -> list[int]:
     return [(7 * conv + 13 * turn + 3 * j) % 300 + 5 for j in range(9 + 4 * turn)]
 
 
-def converse(url: str, conv: int) -> list[tuple[list[int], list[int]]]:
-    """TURNS turns, each resending the whole history: [(prompt, output)]."""
+def converse(url: str, conv: int) -> list[tuple[list[int], list[int], int]]:
+    """TURNS turns, each resending the whole history: [(prompt, output, the usage's cached prompt tokens)]."""
     history, out = list(SYSTEM), []
     for turn in range(TURNS):
         prompt = history + user(conv, turn)
-        tokens = complete(url, prompt, OUT)["choices"][0]["token_ids"]
-        out.append((prompt, tokens))
+        answer = complete(url, prompt, OUT)
+        tokens = answer["choices"][0]["token_ids"]
+        out.append((prompt, tokens, answer["usage"]["prompt_tokens_details"]["cached_tokens"]))
         history = prompt + tokens
     return out
 
@@ -47,11 +48,11 @@ def test_multi_turn_conversations_equal_transformers_and_hit_the_cache(model_pai
         with cf.ThreadPoolExecutor(3) as pool:
             conversations = list(pool.map(lambda c: converse(url, c), range(3)))
         for conv in conversations:
-            for prompt, tokens in conv:
+            for prompt, tokens, _ in conv:
                 assert tokens == hf_greedy(target_dir, prompt, OUT)
         # every later turn attaches the full blocks (16 tokens) of the history the target cached at the end of
         # the turn before (all but its last token); first turns share the system prompt when they start late
-        history = sum((len(prompt) + OUT - 1) // 16 * 16 for conv in conversations for prompt, _ in conv[:-1])
+        history = sum((len(prompt) + OUT - 1) // 16 * 16 for conv in conversations for prompt, _, _ in conv[:-1])
         for service, least in (("target", history), ("draft", history // 2)):
             queries = metric(url, f'tandem:prefix_cache_queries_total{{service="{service}"}}')
             hits = metric(url, f'tandem:prefix_cache_hits_total{{service="{service}"}}')
@@ -59,6 +60,15 @@ def test_multi_turn_conversations_equal_transformers_and_hit_the_cache(model_pai
                 assert least <= hits < queries, service
             else:
                 assert queries == hits == 0
+        # each answer's usage says how much of its prompt came from the target's cache (OpenAI's cached_tokens)
+        cached = [c for conv in conversations for _, _, c in conv]
+        if caching:
+            for conv in conversations:
+                for (prompt, _, _), (_, _, later) in zip(conv, conv[1:], strict=False):
+                    assert later % 16 == 0 and (len(prompt) + OUT - 1) // 16 * 16 <= later < len(prompt) + OUT
+            assert sum(cached) <= metric(url, 'tandem:prefix_cache_hits_total{service="target"}')
+        else:
+            assert cached == [0] * len(cached)
         assert metric(url, "tandem:spec_decode_num_draft_tokens_total") > 0, "speculation ran"
 
 
