@@ -43,7 +43,9 @@ MAX_PROMPT_CHOICES = 64  # prompts x n: the choices one completions request may 
 HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 
-class _Common(BaseModel):
+class OpenAIBody(BaseModel):
+    """A body of OpenAI's API: unknown fields refused, null meaning the default."""
+
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
@@ -52,6 +54,13 @@ class _Common(BaseModel):
         """OpenAI's optional fields are nullable: null means the default (clients send "stream": null)."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
+    @classmethod
+    def unsupported(cls, body: dict) -> list[str]:
+        """Top-level fields this body type does not take (a 400 names them); null asks for nothing."""
+        return sorted({k for k, v in body.items() if v is not None} - set(cls.model_fields) - HARMLESS)
+
+
+class _Common(OpenAIBody):
     model: StrictStr
     max_tokens: StrictInt | None = None
     temperature: StrictFloat | StrictInt | None = None
@@ -80,11 +89,6 @@ class _Common(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
-
-    @classmethod
-    def unsupported(cls, body: dict) -> list[str]:
-        """Top-level fields this body type does not take (a 400 names them); null asks for nothing."""
-        return sorted({k for k, v in body.items() if v is not None} - set(cls.model_fields) - HARMLESS)
 
     def _request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams, logprobs: int | None,
                  max_tokens: int | None) -> Request:

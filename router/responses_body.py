@@ -19,20 +19,13 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from router.core import RequestError
-from router.openai_types import HARMLESS, ChatBody
+from router.openai_types import ChatBody, OpenAIBody
 
 
-class ResponsesBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: object) -> object:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
+class ResponsesBody(OpenAIBody):
     model: StrictStr
     input: StrictStr | Annotated[list[dict], Field(min_length=1)]
     instructions: StrictStr | None = None
@@ -58,10 +51,6 @@ class ResponsesBody(BaseModel):
     ignore_eos: StrictBool = False
 
     include_usage: ClassVar[bool] = False  # the usage is in response.completed, always
-
-    @classmethod
-    def unsupported(cls, body: dict) -> list[str]:
-        return sorted({k for k, v in body.items() if v is not None} - set(cls.model_fields) - HARMLESS)
 
     def chat(self) -> ChatBody:
         """The chat request this one means (every field checked there as on /v1/chat/completions)."""
