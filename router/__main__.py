@@ -12,15 +12,13 @@ from common.cli import env_settable
 from common.logs import add_log_args, setup_logging
 from common.tls import TLSError
 from common.tracing import add_tracing_args, tracing_from_args
-from router.config import RouterConfig
+from router.config import REASONING_PARSERS, TOOL_PARSERS, RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
 from router.lanes import IncompatibleLimits
-from router.reasoning import PARSERS as REASONING_PARSERS
 from router.replicas import IncompatibleTarget
 from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
-from router.tools import PARSERS as TOOL_PARSERS
 from router.tracing import RouterTracer
 
 

@@ -7,12 +7,13 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from router.reasoning import PARSERS as REASONING_PARSERS
-from router.tools import PARSERS as TOOL_PARSERS
-
 if TYPE_CHECKING:
     from common.tls import ClientTLS
     from router.tracing import RouterTracer
+
+
+TOOL_PARSERS = ("hermes",)  # the models' own tool-call formats router.tools reads
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # where router.reasoning finds a model's thinking
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.config import REASONING_PARSERS
+
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
 
 
 def without_partial(text: str, marker: str) -> str:
@@ -34,7 +35,7 @@ class Reasoning:
 
     @classmethod
     def named(cls, parser: str) -> Reasoning:
-        assert parser in PARSERS, parser
+        assert parser in REASONING_PARSERS, parser
         return cls(starts_inside=parser == "deepseek_r1")
 
     def split(self, text: str, finished: bool) -> tuple[str, str | None]:

@@ -29,6 +29,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from router.config import TOOL_PARSERS
 from router.core import RequestError
 from router.reasoning import without_partial
 from router.structured import Constraint
@@ -36,7 +37,6 @@ from router.structured import Constraint
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 MAX_TOOLS = 128  # OpenAI's limit
-PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes' blocks
 
 
@@ -128,7 +128,7 @@ def tool_calling(tools: list[dict] | None, tool_choice: str | dict | None, paral
         if parser is None:
             raise RequestError("tool_choice", '"auto" (the default when tools are given) needs the router started '
                                               "with --tool-call-parser (the model's own tool-call format: "
-                                              f"{', '.join(PARSERS)}); without it send \"required\" (one call or "
+                                              f"{', '.join(TOOL_PARSERS)}); without it send \"required\" (one call or "
                                               'more), a named function ({"type": "function", "function": {"name": '
                                               '...}}) or "none"')
         return ToolCalling(schemas, None, parallel, auto=True)
