@@ -4,6 +4,7 @@
     tandem serve TARGET_DIR --draft DRAFT_DIR       # any two model directories sharing a tokenizer
     tandem serve models/smollm2 --no-draft          # no draft service: prompt-lookup speculation only
     tandem serve models/smollm2 --no-draft --router-arg=--no-prompt-lookup   # plain decoding (k = 0)
+    tandem serve QWEN_PAIR --tool-call-parser hermes --reasoning-parser qwen3  # tool_choice "auto", reasoning_content
     (python -m router.launch ... is the same command)
 
 Waits until the router answers /ready, prints how to call it, and on Ctrl-C (or SIGTERM) stops
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from common.cli import env_settable
+from router.config import REASONING_PARSERS, TOOL_PARSERS
 from router.stack import Stack
 
 
@@ -54,6 +56,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051, help="the router's public gRPC port")
     p.add_argument("--target-port", type=int, default=50052)
     p.add_argument("--draft-port", type=int, default=50053)
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                   help="the model's tool-call format, for chat's tool_choice \"auto\" (the router's flag)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="where a reasoning model's thinking ends, for reasoning_content (the router's flag)")
     p.add_argument("--service-arg", action="append", default=[], help="extra flag for both services (repeat)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeat)")
     return env_settable(p)
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -
     pair_name = model.resolve().name if target_dir.parent.resolve() == model.resolve() else ""
     stack = Stack(target_dir, draft_dir, served_model_name=args.served_model_name or pair_name, host=args.host,
                   http_port=args.port, grpc_port=args.grpc_port, target_port=args.target_port,
-                  draft_port=args.draft_port, service_args=args.service_arg, router_args=args.router_arg)
+                  draft_port=args.draft_port, service_args=args.service_arg,
+                  router_args=[*_parsers(args), *args.router_arg])
     signal.signal(signal.SIGTERM, _interrupt)
     interrupted = False
     try:
@@ -114,6 +121,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -
         print("stopped: " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()), flush=True)
 
 
+def _parsers(args: argparse.Namespace) -> list[str]:
+    return [f"--{flag.replace('_', '-')}={value}" for flag in ("tool_call_parser", "reasoning_parser")
+            if (value := getattr(args, flag)) is not None]
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C does
 
@@ -129,6 +141,9 @@ Tandem is ready: {stack.url}  (gRPC Generate on {stack.host}:{stack.grpc_port}){
 
   curl {stack.url}/v1/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "{name}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
+
+  curl {stack.url}/v1/responses -H 'Content-Type: application/json' \\
+       -d '{{"model": "{name}", "input": "Write a haiku about Paris", "max_output_tokens": 48}}'
 
   python -c "from openai import OpenAI; c = OpenAI(base_url='{stack.url}/v1', api_key='none'); \\
 print(c.completions.create(model='{name}', prompt='import os\\n', max_tokens=32, temperature=0).choices[0].text)"

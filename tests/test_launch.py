@@ -36,7 +36,8 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
     ports = [str(x) for x in free_ports(3)]
     err = (tmp_path / "stderr").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "router.launch", str(pair), "--port", str(port),
-                             "--grpc-port", ports[0], "--target-port", ports[1], "--draft-port", ports[2]],
+                             "--grpc-port", ports[0], "--target-port", ports[1], "--draft-port", ports[2],
+                             "--tool-call-parser", "hermes"],
                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     try:
         out = ""
@@ -54,6 +55,12 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
         done = _post(f"{base}/v1/completions", {"model": pair.name, "prompt": "hello", "max_tokens": 8,
                                                 "temperature": 0})
         assert done["usage"]["completion_tokens"] == 8
+        answer = _post(f"{base}/v1/responses", {"model": pair.name, "input": "hello", "max_output_tokens": 4})
+        assert answer["usage"]["output_tokens"] == 4, "the printed Responses example"
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        auto = _post(f"{base}/v1/chat/completions", {"model": pair.name, "max_tokens": 4, "tools": tools,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+        assert auto["choices"][0]["finish_reason"] == "length", "--tool-call-parser reached the router: auto is served"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         stderr = Path(err.name).read_text()
