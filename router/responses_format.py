@@ -42,6 +42,8 @@ class ResponsesFormat:
         self.output: list[dict] = []  # the items written so far
         self.open: dict | None = None  # the one being written
         self.open_text = ""  # its text so far
+        self.open_logprobs: list[dict] = []  # and its tokens' logprobs (a message's)
+        self.unsent_logprobs: list[dict] = []  # of tokens whose text has not come yet
         self.finish: str | None = None
 
     # -- the whole answer -------------------------------------------------------------------------------
@@ -53,6 +55,8 @@ class ResponsesFormat:
             self.output.append(self._item("reasoning", text=message["reasoning_content"]))
         if message.get("content"):
             self.output.append(self._item("message", text=message["content"]))
+            if choice["logprobs"] is not None and not message.get("reasoning_content"):  # the text's tokens alone
+                self.output[-1]["content"][0]["logprobs"] = _logprobs(choice["logprobs"])
         for call in message.get("tool_calls") or []:
             self.output.append(self._item("function_call", call_id=call["id"], name=call["function"]["name"],
                                           text=call["function"]["arguments"]))
@@ -111,8 +115,11 @@ class ResponsesFormat:
         delta, out = choice["delta"], []
         if delta.get("reasoning_content"):
             out += self._write("reasoning", delta["reasoning_content"])
+        if choice["logprobs"] and not delta.get("reasoning_content"):  # (a token may bring no text yet)
+            self.unsent_logprobs += _logprobs(choice["logprobs"])
         if delta.get("content"):
-            out += self._write("message", delta["content"])
+            out += self._write("message", delta["content"], self.unsent_logprobs)
+            self.unsent_logprobs = []
         for call in delta.get("tool_calls") or []:
             if call.get("id"):  # a new call
                 out += self._close()
@@ -146,22 +153,26 @@ class ResponsesFormat:
                                    content_index=0, part=_part(item["type"], "")))
         return out
 
-    def _write(self, kind: str, text: str) -> list[str]:
+    def _write(self, kind: str, text: str, logprobs: list[dict] | None = None) -> list[str]:
         out = [] if self.open is not None and self.open["type"] == kind else \
             self._close() + self._begin(self._item(kind, status="in_progress"))
         item, index = self.open, len(self.output) - 1
         assert item is not None
         self.open_text += text
+        self.open_logprobs += logprobs or []
         if kind == "function_call":
             item["arguments"] += text
             return [*out, self._event("response.function_call_arguments.delta", item_id=item["id"],
                                       output_index=index, delta=text)]
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": logprobs or []} if kind == "message" else {}
         return [*out, self._event(f"response.{_TEXT_EVENT[kind]}.delta", item_id=item["id"], output_index=index,
                                   content_index=0, delta=text, **extra)]
 
     def _close(self, status: str = "completed") -> list[str]:
-        item, text, self.open, self.open_text = self.open, self.open_text, None, ""
+        item, text, logprobs = self.open, self.open_text, self.open_logprobs
+        if item is not None and item["type"] == "message":
+            logprobs, self.unsent_logprobs = logprobs + self.unsent_logprobs, []
+        self.open, self.open_text, self.open_logprobs = None, "", []
         if item is None:
             return []
         index = len(self.output) - 1
@@ -171,13 +182,23 @@ class ResponsesFormat:
                                 arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=index, item=item)]
         kind, part = item["type"], _part(item["type"], text)
+        extra = {"logprobs": logprobs} if kind == "message" else {}
+        if logprobs:
+            part["logprobs"] = logprobs
         item["content"] = [part]
-        extra = {"logprobs": []} if kind == "message" else {}
         return [self._event(f"response.{_TEXT_EVENT[kind]}.done", item_id=item["id"], output_index=index,
                             content_index=0, text=text, **extra),
                 self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
+
+
+def _logprobs(chat: dict | None) -> list[dict]:
+    """Chat's logprobs in the Responses shape (with each token's UTF-8 bytes, as output_text parts have them)."""
+    def one(entry: dict) -> dict:
+        return {"token": entry["token"], "bytes": list(entry["token"].encode()), "logprob": entry["logprob"]}
+
+    return [{**one(e), "top_logprobs": [one(t) for t in e["top_logprobs"]]} for e in (chat or {}).get("content", [])]
 
 
 def _part(kind: str, text: str) -> dict:

@@ -158,3 +158,20 @@ def test_reasoning_then_text_is_two_items_in_openais_event_shapes():
     whole = ResponsesFormat(ChatFormat(lambda ids: "", "m", req, False, reasoning=Reasoning.named("deepseek_r1")),
                             body, "m").whole(deltas)
     assert [i["type"] for i in whole["output"]] == ["reasoning", "message"] and whole["usage"]["output_tokens"] == 4
+
+
+def test_top_logprobs_are_the_chat_answers(stack):
+    client, url = stack["client"], stack["router"].url
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "temperature": 0, "max_tokens": 6, "logprobs": True, "top_logprobs": 2,
+        "messages": [{"role": "user", "content": "Hi"}]}).json()["choices"][0]["logprobs"]["content"]
+    out = client.responses.create(model="tiny", input="Hi", temperature=0, max_output_tokens=6, top_logprobs=2)
+    got = out.output[0].content[0].logprobs
+    assert [(t.token, t.logprob, [a.logprob for a in t.top_logprobs]) for t in got] == \
+        [(c["token"], c["logprob"], [a["logprob"] for a in c["top_logprobs"]]) for c in chat]
+    assert all(bytes(t.bytes).decode() == t.token for t in got)
+    with client.responses.stream(model="tiny", input="Hi", temperature=0, max_output_tokens=6, top_logprobs=2) as s:
+        events = list(s)
+    streamed = [lp.logprob for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [c["logprob"] for c in chat]
+    assert [lp.logprob for lp in events[-1].response.output[0].content[0].logprobs] == streamed
