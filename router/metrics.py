@@ -23,6 +23,8 @@ class Metrics:
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("tandem:requests", "Finished requests", ["finish_reason"], registry=r)
+        self.http_requests = Counter("tandem:http_requests", "HTTP requests answered, by route (its path, or "
+                                     "'other') and status code", ["route", "status"], registry=r)
         self.waiting = Gauge("tandem:num_requests_waiting", "Requests waiting", registry=r)
         self.running = Gauge("tandem:num_requests_running", "Sequences running", registry=r)
         self.target_errors = Counter("tandem:target_step_errors", "Steps the target answered with an internal "

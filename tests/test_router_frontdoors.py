@@ -426,7 +426,8 @@ DOCUMENTED = ["tandem:time_to_first_token_seconds", "tandem:inter_token_latency_
               "tandem:spec_decode_num_drafts", "tandem:spec_decode_num_draft_tokens",
               "tandem:spec_decode_num_accepted_tokens", "tandem:spec_decode_num_accepted_tokens_per_pos",
               "tandem:pipeline_hits", "tandem:draft_fallbacks", "tandem:kv_cache_usage_perc",
-              "tandem:num_requests_waiting", "tandem:num_requests_running", "tandem:step_time_seconds"]
+              "tandem:num_requests_waiting", "tandem:num_requests_running", "tandem:step_time_seconds",
+              "tandem:http_requests"]
 
 
 def test_metrics_expose_documented_names_with_consistent_values(stack):
@@ -454,6 +455,15 @@ def test_metrics_expose_documented_names_with_consistent_values(stack):
         assert sample(text, "tandem:kv_cache_usage_perc", f'service="{service}"') == 0  # idle: nothing reserved
     for part in ("target", "draft", "router"):
         assert sample(text, "tandem:step_time_seconds_count", f'part="{part}"') > 0, part
+    answered = sample(text, "tandem:http_requests_total", 'route="/v1/completions",status="200"')
+    refused = sample(text, "tandem:http_requests_total", 'route="/v1/completions",status="400"') or 0
+    post(url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=2)
+    httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
+    httpx.get(f"{url}/no/such/path")
+    text = metrics_text(url)
+    assert sample(text, "tandem:http_requests_total", 'route="/v1/completions",status="200"') == answered + 1
+    assert sample(text, "tandem:http_requests_total", 'route="/v1/completions",status="400"') == refused + 1
+    assert sample(text, "tandem:http_requests_total", 'route="other",status="404"') >= 1
 
 
 def test_several_prompts_are_answered_as_one_request(stack):
