@@ -175,10 +175,11 @@ class ChatFormat(CompletionFormat):
             body["reasoning_content"] = reasoning or None
         if calls is not None:
             body["tool_calls"] = calls
-        return self._message(deltas, False, body, self._tool_finish(deltas[-1], calls))
+        return self._message(deltas, False, body, self._tool_finish(deltas[-1], bool(calls)))
 
-    def _tool_finish(self, last: Delta, calls: list[dict] | None) -> str | None:
-        if calls and self.tools is not None and last.finish_reason == FinishReason.STOP:
+    def _tool_finish(self, last: Delta, called: bool) -> str | None:
+        """An answer with calls that ended by itself finishes as its tool choice says ("tool_calls")."""
+        if called and self.tools is not None and last.finish_reason == FinishReason.STOP:
             return self.tools.finish_reason
         return _finish(last)
 
@@ -221,9 +222,9 @@ class ChatFormat(CompletionFormat):
             if not held.called:
                 held.called = True
                 return {"content": None, "tool_calls": [{"index": 0, **call(tools.name, piece)}]}, \
-                    self._tool_finish(d, [{}]) if finished else None
+                    self._tool_finish(d, True) if finished else None
             body = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
-            return body, self._tool_finish(d, [{}]) if finished else None
+            return body, self._tool_finish(d, True) if finished else None
         if not finished:
             upto = tools.streamable(answer) if tools is not None else len(answer)
             body = {"content": answer[held.sent:upto]} if upto > held.sent else {}
@@ -235,5 +236,5 @@ class ChatFormat(CompletionFormat):
             return ({"content": rest} if rest else {}), _finish(d)
         body = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
         if held.sent < len(content or ""):  # the text before the calls, where it came with them
-            return {"content": content[held.sent:], **body}, self._tool_finish(d, calls)
-        return ({"content": None, **body} if held.sent == 0 else body), self._tool_finish(d, calls)
+            return {"content": content[held.sent:], **body}, self._tool_finish(d, True)
+        return ({"content": None, **body} if held.sent == 0 else body), self._tool_finish(d, True)
