@@ -56,6 +56,9 @@ class Request:
     n: int = 1  # choices: n sequences from one prompt, computed once
     constraint: Constraint | None = None  # structured output, as the door read it
     grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)
+    # A reasoning model's think-end token: the constraint holds from the token after it (the model
+    # thinks freely first); None: from the first output token.
+    grammar_opens_after: int | None = None
     eos_ids: tuple[int, ...] = ()  # set by RouterEngine.submit: what min_tokens holds back with stop_token_ids
 
     @cached_property

@@ -75,7 +75,9 @@ class DraftWork:
         self.entries.append(draft_pb2.ProposeEntry(
             seq_id=seq.seq_id, start_pos=start, tokens=tokens, k=k, sampling=sampling, num_verifying=v,
             branches=[draft_pb2.Branch(accepted=j, rank=r) for j, r in branches], prompt_len=seq.num_prompt,
-            grammar=seq.request.grammar if start == 0 else "", fork_of=fork_of,
+            # a grammar that waits for the thinking to end stays with the router (which cuts the drafts it refuses)
+            grammar=seq.request.grammar if start == 0 and seq.request.grammar_opens_after is None else "",
+            fork_of=fork_of,
             prefix_block_hashes=attach))
         if k:
             seq.asked_at = len(base) - v  # the outcome of the verification in flight (speculator.miss_kind)

@@ -226,7 +226,7 @@ class RouterEngine:
                            num_prompt=len(req.prompt_ids), output=OutputBuilder(self.codec.tokenizer, choice, set(eos),
                                                                                 max_tokens, first_index + i),
                            lane=lane, outputs=queue, index=first_index + i, fork_parent=seqs[0] if seqs else None,
-                           grammar=self.grammars.state(grammar) if grammar else None,
+                           grammar=self.grammars.state(grammar, req.grammar_opens_after) if grammar else None,
                            tracker=lane.loop.spec.draft_acceptance.tracker(),
                            lookup_tracker=lane.loop.spec.lookup_acceptance.tracker())
             if seqs:

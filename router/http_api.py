@@ -8,6 +8,7 @@ large bodies are parsed and every prompt is tokenized on the codec's thread pool
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -28,6 +29,7 @@ from router.engine import RequestStream, RouterEngine
 from router.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
 from router.openai_format import ChatFormat, CompletionFormat
 from router.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from router.reasoning import CLOSE as THINK_END
 from router.reasoning import Reasoning
 from router.request_stats import report
 from router.responses_body import ResponsesBody
@@ -108,10 +110,17 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         calling = body.tool_calling(engine.config.tool_call_parser)
         ids = await engine.encode_chat(body.conversation(), **body.template_options())
         req = body.to_request(request_id, ids, engine.sampling_defaults, calling)
-        parser = engine.config.reasoning_parser  # a constrained output has no think block: nothing to parse
-        reasoning = Reasoning.named(parser) if parser and req.constraint is None else None
+        reasoning = engine.config.reasoning_parser
+        if reasoning is not None and req.constraint is not None:
+            # a reasoning model thinks, then answers as the constraint says: it holds after the think-end token
+            # (with the template told not to think, or no single think-end token, it holds from the start and
+            # there is nothing to parse)
+            end = engine.codec.tokenizer.token_to_id(THINK_END)
+            thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False
+            req = dataclasses.replace(req, grammar_opens_after=end) if thinking and end is not None else req
+            reasoning = reasoning if req.grammar_opens_after is not None else None
         return req, ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=calling,
-                               reasoning=reasoning)
+                               reasoning=Reasoning.named(reasoning) if reasoning else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

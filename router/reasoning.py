@@ -10,8 +10,10 @@ message.reasoning_content (DeepSeek's and vLLM's name for it).
 
 Streamed, the reasoning goes out as delta.reasoning_content until </think>, then the answer as
 delta.content (a tail that could begin a marker waits for the next tokens). A request whose output
-is constrained (response_format, a named or required tool call) has no think block: its grammar
-holds from the first token, so nothing is parsed there.
+is constrained (response_format, a named or required tool call) thinks first too: its grammar holds
+from the token after </think> (router.structured.SeqGrammar, where </think> is one token, as in
+Qwen3's and DeepSeek-R1's vocabularies); told not to think (chat_template_kwargs enable_thinking:
+false), or without such a token, it holds from the first token and nothing is parsed.
 """
 
 from __future__ import annotations

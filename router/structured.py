@@ -93,19 +93,24 @@ class Grammars:
         except GrammarError as err:
             raise RequestError(constraint.field, str(err)) from None
 
-    def state(self, grammar: str) -> SeqGrammar:
-        return SeqGrammar(Matcher(self.tokenizer, grammar), self.stop_ids)
+    def state(self, grammar: str, opens_after: int | None = None) -> SeqGrammar:
+        return SeqGrammar(Matcher(self.tokenizer, grammar), self.stop_ids, opens_after)
 
 
 class SeqGrammar:
-    """One sequence's grammar state: the matcher has consumed exactly its accepted output."""
+    """One sequence's grammar state: the matcher has consumed exactly its accepted output (after the
+    think-end token `opens_after`, for a reasoning model: until the model emits it, the grammar waits)."""
 
-    def __init__(self, matcher: Matcher, stop_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: Matcher, stop_ids: frozenset[int], opens_after: int | None = None) -> None:
         self.matcher = matcher
         self.stop_ids = stop_ids
+        self.opens_after = opens_after  # None once it holds
 
     def masks(self, drafts: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """(the drafts worth verifying, one wire mask per decided position: len(drafts) + 1)."""
+        """(the drafts worth verifying, one wire mask per decided position: len(drafts) + 1, or none at
+        all where nothing is constrained)."""
+        if self.opens_after is not None:
+            return self._thinking_masks(drafts)
         m = self.matcher
         masks = [m.mask()]
         kept: list[int] = []
@@ -117,8 +122,32 @@ class SeqGrammar:
         m.rollback(len(kept))
         return kept, [zlib.compress(mask, 1) for mask in masks]  # 6 KB -> ~0.4 KB on a 49k vocabulary, ~18 us
 
+    def _thinking_masks(self, drafts: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """While the model thinks nothing is masked; a draft that ends the thinking is the last one
+        verified, and the position after it is the grammar's first:
+
+            drafts  d1  d2  </think>  (d4 d5: cut)
+            masks   all all all       first
+        """
+        assert self.opens_after is not None
+        if self.opens_after not in drafts:
+            return list(drafts), []
+        kept = list(drafts[:list(drafts).index(self.opens_after) + 1])
+        first = self.matcher.mask()
+        everything = zlib.compress(b"\xff" * len(first), 1)  # bits past the vocabulary are ignored
+        return kept, [everything] * len(kept) + [zlib.compress(first, 1)]
+
     def advance(self, emitted: Sequence[int]) -> tuple[list[int], bool]:
         """Consume the target's tokens: (those to keep, whether the grammar is now complete)."""
+        if self.opens_after is not None:
+            end = next((n for n, t in enumerate(emitted) if t in self.stop_ids or t == self.opens_after), None)
+            if end is None:
+                return list(emitted), False
+            if emitted[end] in self.stop_ids:  # the model stopped while thinking: a sequence like any other
+                return list(emitted[:end + 1]), True
+            self.opens_after = None
+            kept, complete = self.advance(emitted[end + 1:])
+            return [*emitted[:end + 1], *kept], complete
         for n, t in enumerate(emitted):
             if t in self.stop_ids:
                 return list(emitted[:n + 1]), True

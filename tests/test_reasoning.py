@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
 
 from common.sampling import SamplingParams
 from router.config import RouterConfig
@@ -125,3 +127,78 @@ def test_a_thinking_answer_is_reasoning_and_a_constrained_one_is_content(stack):
     constrained = post(url, "/v1/chat/completions", messages=messages, response_format={"type": "json_object"})
     message = constrained.json()["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"].startswith("{")
+
+
+# -- a constraint that holds once the thinking ends -------------------------------------------------
+
+def test_the_grammar_waits_for_the_thinking_to_end(model_pair):
+    """While the model thinks nothing is masked; a draft ending the thinking is verified last, the
+    position after it takes the grammar's first mask; then the grammar holds as ever."""
+    from router.structured import Constraint, Grammars
+
+    target_dir = Path(model_pair[0])
+    grammars = Grammars(target_dir, 400, [1])
+    grammar = grammars.compile(Constraint("json_object", None, "response_format"))
+    think_end = 7
+    seq = grammars.state(grammar, opens_after=think_end)
+    assert seq.masks([20, 21, 22]) == ([20, 21, 22], [])  # thinking: free
+    kept, masks = seq.masks([20, think_end, 22, 23])
+    assert kept == [20, think_end] and len(masks) == 3
+    fresh = grammars.state(grammar)
+    assert masks[-1] == fresh.masks([])[1][0]  # the grammar's first mask, after the think-end token
+    assert seq.advance([20, 21]) == ([20, 21], False) and seq.opens_after == think_end
+    brace = fresh.matcher  # a token the JSON grammar takes first, and one it refuses there
+    first = brace.mask()
+    ok = next(t for t in range(2, 300) if brace.allowed(first, t))
+    refused = next(t for t in range(2, 300) if not brace.allowed(first, t) and t != think_end)
+    assert seq.advance([think_end, ok]) == ([think_end, ok], False) and seq.opens_after is None
+    assert seq.masks([refused])[0] == []  # now it holds
+    stopped = grammars.state(grammar, opens_after=think_end)
+    assert stopped.advance([20, 1, 21]) == ([20, 1], True)  # EOS while thinking ends the sequence
+
+
+@pytest.fixture(scope="module")
+def thinking_pair(model_pair, tmp_path_factory):
+    """model_pair whose tokenizer reads one of its ids as "</think>" (not special), as Qwen3's and
+    DeepSeek-R1's tokenizers have it."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("thinking")
+    dirs = [shutil.copytree(d, root / d.name) for d in map(Path, model_pair)]
+    for d in dirs:  # the last merge's token gives its id to "</think>" (no later merge uses it)
+        tok = json.loads((d / "tokenizer.json").read_text())
+        vocab, merges = tok["model"]["vocab"], tok["model"]["merges"]
+        last, think_id = max(vocab.items(), key=lambda kv: kv[1])
+        del vocab[last]
+        tok["model"]["merges"] = [m for m in merges if "".join(m if isinstance(m, list) else m.split(" ")) != last]
+        tok["added_tokens"].append({"id": think_id, "content": "</think>", "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": False})
+        (d / "tokenizer.json").write_text(json.dumps(tok))
+    return (*dirs, think_id)
+
+
+def test_a_reasoning_model_thinks_then_answers_as_the_schema_says(thinking_pair):
+    target_dir, draft_dir, think_id = thinking_pair
+    config = RouterConfig(max_num_batched_tokens=128, max_num_seqs=16, draft_timeout_s=5.0, target_grace_s=2.0,
+                          reasoning_parser="deepseek_r1")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    with running_stack((target_dir, draft_dir), config) as s:
+        url = s["router"].url
+        body = {"messages": [{"role": "user", "content": "Think, then answer"}], "max_tokens": 60,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                "return_token_ids": True}
+        # a bias makes the tiny model write some thoughts, then end them: the schema holds after that
+        for bias in (4.0, 100.0):
+            r = post(url, "/v1/chat/completions", logit_bias={str(think_id): bias}, **body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert think_id in choice["token_ids"], "the grammar let the thinking end"
+            assert json.loads(choice["message"]["content"]) in ({"ok": True}, {"ok": False})
+            thought = choice["token_ids"][:choice["token_ids"].index(think_id)]
+            assert (choice["message"]["reasoning_content"] or "") == tok.decode(thought)
+        told = post(url, "/v1/chat/completions", logit_bias={str(think_id): 100.0},
+                    chat_template_kwargs={"enable_thinking": False}, **body).json()["choices"][0]
+        assert think_id not in told["token_ids"], "told not to think: the schema holds from the first token"
+        assert "reasoning_content" not in told["message"] and json.loads(told["message"]["content"])
