@@ -119,7 +119,7 @@ def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> gener
         prompt_logprobs=_wire([lp for d in deltas for lp in d.prompt_logprobs or []]),
         finish_reason=last.finish_reason.value if last and last.finish_reason else "",
         prompt_tokens=len(req.prompt_ids), completion_tokens=last.completion_tokens if last else 0,
-        tandem_metrics=metrics,
+        cached_prompt_tokens=last.cached_tokens if last else 0, tandem_metrics=metrics,
     )
 
 

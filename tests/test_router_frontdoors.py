@@ -702,6 +702,7 @@ def test_grpc_generate_streaming_and_unary_match_transformers(stack, channel):
     assert msgs[-1].prompt_tokens == len(IDS_PROMPT) and msgs[-1].completion_tokens == 20
     one = stub.GenerateUnary(req, timeout=60)
     assert list(one.token_ids) == want and one.finish_reason == "length"
+    assert one.cached_prompt_tokens == len(IDS_PROMPT) // 16 * 16, "the same prompt again: its full blocks cached"
     assert one.text == dec(stack["tok"], want)
     assert one.prompt_tokens == len(IDS_PROMPT) and one.completion_tokens == 20
     # text prompt, logprobs, stop string
