@@ -105,6 +105,11 @@ def test_calls_come_back_as_function_call_items_and_their_outputs_continue(stack
         final = s.get_final_response()
     [streamed] = final.output
     assert streamed.type == "function_call" and streamed.arguments == call.arguments  # greedy: the same call
+    with client.responses.stream(model="tiny", input="Weather in Oslo?", tools=TOOLS, temperature=0,
+                                 tool_choice={"type": "function", "name": "weather"}) as s:
+        pieces = [e.delta for e in s if e.type == "response.function_call_arguments.delta"]
+        [named_streamed] = s.get_final_response().output
+    assert len(pieces) > 1 and "".join(pieces) == named_streamed.arguments == call.arguments  # as they come
     assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
     follow = client.responses.create(model="tiny", temperature=0, max_output_tokens=8, tools=TOOLS, tool_choice="none",
                                      input=[{"role": "user", "content": "Weather in Oslo?"},
