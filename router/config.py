@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from router.tracing import RouterTracer
 
 
-TOOL_PARSERS = ("hermes",)  # the models' own tool-call formats router.tools reads
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # where router.reasoning finds a model's thinking
+TOOL_PARSERS = ("hermes",)  # the models' own tool-call formats router.gateway.tools reads
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # where router.gateway.reasoning finds a model's thinking
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class RouterConfig:
     draft_tls: ClientTLS | None = None
     tracer: RouterTracer | None = None  # OpenTelemetry spans (router.tracing); None: tracing off
     lease_ttl_s: float = 10.0  # a replica this router stops renewing is freed for others after this long
-    tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice "auto" (router.tools)
-    reasoning_parser: str | None = None  # where a reasoning model's thinking ends (router.reasoning)
+    tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice "auto" (router.gateway.tools)
+    reasoning_parser: str | None = None  # where a reasoning model's thinking ends (router.gateway.reasoning)
     router_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}")
 
     def __post_init__(self) -> None:

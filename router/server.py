@@ -23,7 +23,7 @@ from router import grpc_api
 from router.auth import GrpcGuard, HTTPGuard
 from router.config import RouterConfig
 from router.engine import RouterEngine
-from router.http_api import create_app
+from router.gateway.http_api import create_app
 from router.security import RouterSecurity
 
 log = logging.getLogger(__name__)

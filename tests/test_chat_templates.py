@@ -155,7 +155,7 @@ def test_chat_template_kwargs_render_as_transformers_template_kwargs(tmp_path, k
     them (Qwen3's enable_thinking); they override the special tokens' variables as there, never the
     request's own fields."""
     from router.core import RequestError
-    from router.openai_types import ChatBody
+    from router.gateway.openai_types import ChatBody
 
     d = save_transformers5_layout(tmp_path / "q3", QWEN3_THINKING, None)
     messages = [{"role": "user", "content": "Hi"}]
@@ -210,7 +210,7 @@ QWEN3_STYLE = """{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}{
 def test_a_qwen3_style_agent_conversation_renders_as_transformers(tmp_path):
     """Tools, a call with its arguments, two tool answers, thinking given as reasoning_content and as
     <think> in content, enable_thinking: the prompt is transformers' to the character."""
-    from router.openai_types import ChatBody
+    from router.gateway.openai_types import ChatBody
 
     d = save_transformers5_layout(tmp_path / "q3", QWEN3_STYLE, None)
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {

@@ -1,4 +1,4 @@
-"""A reasoning model's thinking as chat's reasoning_content (router.reasoning), apart from its answer:
+"""A reasoning model's thinking as chat's reasoning_content (router.gateway.reasoning), apart from its answer:
 
 - deepseek_r1: the output starts inside a think block, up to </think>; cut short, all of it is reasoning
 - qwen3: a block only where the output opens one with <think>; otherwise all of it is the answer
@@ -21,9 +21,9 @@ from tokenizers import Tokenizer
 from common.sampling import SamplingParams
 from router.config import RouterConfig
 from router.core import Delta, FinishReason, Request
-from router.openai_format import ChatFormat
-from router.reasoning import Reasoning
-from router.tools import tool_calling
+from router.gateway.openai_format import ChatFormat
+from router.gateway.reasoning import Reasoning
+from router.gateway.tools import tool_calling
 from tests.stack import running_stack
 
 R1, QWEN3 = Reasoning.named("deepseek_r1"), Reasoning.named("qwen3")

@@ -21,7 +21,7 @@ from openai import OpenAI
 
 from router.config import RouterConfig
 from router.core import RequestError
-from router.responses_body import ResponsesBody
+from router.gateway.responses_body import ResponsesBody
 from tests.stack import running_stack
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
@@ -133,16 +133,16 @@ def test_refusals_are_openai_errors(stack):
 
 
 def test_reasoning_then_text_is_two_items_in_openais_event_shapes():
-    """A reasoning model's answer (router.reasoning) streamed as Responses events: each one parses as
+    """A reasoning model's answer (router.gateway.reasoning) streamed as Responses events: each one parses as
     the openai client's event type, the items are a reasoning item then a message."""
     from openai.types.responses import Response, ResponseStreamEvent
     from pydantic import TypeAdapter
 
     from common.sampling import SamplingParams
     from router.core import Delta, FinishReason, Request
-    from router.openai_format import ChatFormat
-    from router.reasoning import Reasoning
-    from router.responses_format import ResponsesFormat
+    from router.gateway.openai_format import ChatFormat
+    from router.gateway.reasoning import Reasoning
+    from router.gateway.responses_format import ResponsesFormat
 
     req = Request(request_id="r", prompt_ids=[1, 2], sampling=SamplingParams(), max_tokens=50)
     body = ResponsesBody(model="m", input="Why?")

@@ -1,4 +1,4 @@
-"""Tool calls on /v1/chat/completions (router.tools), as OpenAI's API and its official client have them:
+"""Tool calls on /v1/chat/completions (router.gateway.tools), as OpenAI's API and its official client have them:
 
 - a named tool_choice answers one call whose arguments validate against that tool's parameters, the
   same tokens as the same schema asked through response_format (the structured-output path, itself
@@ -26,8 +26,8 @@ from common.sampling import SamplingParams
 from router.chat import ChatFormatter
 from router.config import RouterConfig
 from router.core import Delta, FinishReason, Request, RequestError
-from router.openai_format import ChatFormat
-from router.tools import tool_calling
+from router.gateway.openai_format import ChatFormat
+from router.gateway.tools import tool_calling
 from tests.stack import running_stack
 from tests.test_chat_templates import save_transformers5_layout
 
@@ -169,7 +169,7 @@ QWEN25_TOOLS = (
 def test_history_with_calls_and_answers_renders_as_transformers(tmp_path):
     """The client sends its calls back with arguments as JSON text (OpenAI's shape); the template gets
     them as objects, as transformers' users pass them, so `arguments | tojson` is not a quoted string."""
-    from router.openai_types import ChatBody
+    from router.gateway.openai_types import ChatBody
 
     d = save_transformers5_layout(tmp_path / "qwen", QWEN25_TOOLS, None)
     sent = [*ASK, {"role": "assistant", "content": None, "tool_calls": [

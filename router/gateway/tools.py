@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from router.config import TOOL_PARSERS
 from router.core import RequestError
-from router.reasoning import without_partial
+from router.gateway.reasoning import without_partial
 from router.structured import Constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names

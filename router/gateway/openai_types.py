@@ -1,5 +1,5 @@
 """OpenAI-compatible request bodies (completions and chat, and vLLM's tokenize and detokenize),
-checked and turned into Requests; chat's tools as router.tools takes them. Extensions beyond
+checked and turned into Requests; chat's tools as router.gateway.tools takes them. Extensions beyond
 OpenAI's fields: top_k, min_p, ignore_eos,
 max_speculative_tokens, typical_acceptance, return_token_ids, tandem_metrics, and vLLM's
 repetition_penalty, min_tokens, stop_token_ids, add_generation_prompt, continue_final_message, chat_template_kwargs,
@@ -31,8 +31,8 @@ from pydantic import (
 from common.protocol import MAX_LOGPROBS
 from common.sampling import SamplingParams
 from router.core import Request, RequestError
+from router.gateway.tools import ToolCalling, history_calls, tool_calling
 from router.structured import Constraint
-from router.tools import ToolCalling, history_calls, tool_calling
 
 MAX_STOP_STRINGS = 8
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -202,7 +202,7 @@ class ChatBody(_Common):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True  # vLLM's: end the prompt with the assistant's turn opening
     continue_final_message: StrictBool = False  # vLLM's: write on from the last (assistant) message's text
-    tools: list[dict] | None = None  # router.tools
+    tools: list[dict] | None = None  # router.gateway.tools
     tool_choice: StrictStr | dict | None = None
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict | None = None  # vLLM's: more template variables (Qwen3's enable_thinking, ...)

@@ -2,7 +2,7 @@
 tokenize and detokenize, models, health, readiness and Prometheus metrics. Errors use OpenAI's
 shape and name the bad field.
 
-Nothing heavy runs on the event loop: the body is read with a hard byte limit (router.http_body),
+Nothing heavy runs on the event loop: the body is read with a hard byte limit (router.gateway.http_body),
 large bodies are parsed and every prompt is tokenized on the codec's thread pool."""
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from common.logs import bind
 from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
 from router.core import Request as CoreRequest
 from router.engine import RequestStream, RouterEngine
-from router.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
-from router.openai_format import ChatFormat, CompletionFormat
-from router.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
-from router.reasoning import CLOSE as THINK_END
-from router.reasoning import Reasoning
+from router.gateway.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
+from router.gateway.openai_format import ChatFormat, CompletionFormat
+from router.gateway.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from router.gateway.reasoning import CLOSE as THINK_END
+from router.gateway.reasoning import Reasoning
+from router.gateway.responses_body import ResponsesBody
+from router.gateway.responses_format import ResponsesFormat
 from router.request_stats import report
-from router.responses_body import ResponsesBody
-from router.responses_format import ResponsesFormat
 from router.tracing import RouterTracer
 
 log = logging.getLogger(__name__)
@@ -135,8 +135,8 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        """OpenAI's Responses API, stateless: the chat request it means (router.responses_body), its answer
-        as output items and semantic events (router.responses_format)."""
+        """OpenAI's Responses API, stateless: the chat request it means (router.gateway.responses_body), its answer
+        as output items and semantic events (router.gateway.responses_format)."""
         try:
             body = await parse(request, ResponsesBody)
             req, chat = await chat_request(body.chat(), f"resp-{uuid.uuid4().hex}")

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.core import Delta, FinishReason, Request
-from router.reasoning import Reasoning
-from router.tools import ToolCalling, call
+from router.gateway.reasoning import Reasoning
+from router.gateway.tools import ToolCalling, call
 
 
 def _finish(delta: Delta) -> str | None:
@@ -104,7 +104,7 @@ class CompletionFormat:
     def chunk(self, d: Delta) -> dict:
         return self._base([self._with_ids(self._choice([d], True), [d])], self.chunk_name)
 
-    # the SSE stream (http_api writes what these return; router.responses_format has its own)
+    # the SSE stream (http_api writes what these return; router.gateway.responses_format has its own)
     def opening(self) -> list[str]:
         return []
 
@@ -139,8 +139,8 @@ class _Held:
 
 
 class ChatFormat(CompletionFormat):
-    """Chat answers. With a reasoning parser (router.reasoning), the thinking as reasoning_content;
-    with tools (router.tools), the answer's calls as message.tool_calls. Streamed: reasoning as it
+    """Chat answers. With a reasoning parser (router.gateway.reasoning), the thinking as reasoning_content;
+    with tools (router.gateway.tools), the answer's calls as message.tool_calls. Streamed: reasoning as it
     comes, then the answer's text; a named call's arguments stream as they come (its id and name
     first); "required" calls come whole in the choice's last chunk; an "auto" answer streams its
     text until a call opens, its calls come whole in the last chunk. A chunk carries the logprobs and

@@ -6,7 +6,7 @@
                                   function_call items (an assistant's tool_calls: consecutive ones are
                                   one assistant turn), function_call_output items (role "tool"), reasoning
                                   items (the next assistant turn's reasoning_content)
-    tools: [{"type": "function", "name", "parameters", ...}]   chat's tools (router.tools), as is tool_choice
+    tools: [{"type": "function", "name", "parameters", ...}]   chat's tools (router.gateway.tools), as is tool_choice
     text.format                   response_format (json_schema, json_object)
     max_output_tokens, top_logprobs, temperature, top_p ...   their chat fields
 
@@ -22,7 +22,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from router.core import RequestError
-from router.openai_types import ChatBody, OpenAIBody
+from router.gateway.openai_types import ChatBody, OpenAIBody
 
 
 class ResponsesBody(OpenAIBody):

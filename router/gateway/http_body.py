@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from router.openai_types import HARMLESS
+from router.gateway.openai_types import HARMLESS
 
 DRAIN_LIMIT_BYTES = 1 << 30  # past this an oversized body is cut off (connection closed) instead of drained
 PARSE_OFF_LOOP_BYTES = 256 * 2**10  # larger bodies are parsed on a thread

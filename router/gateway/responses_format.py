@@ -1,4 +1,4 @@
-"""OpenAI's Responses API answers, from the chat answer (router.openai_format.ChatFormat) they are:
+"""OpenAI's Responses API answers, from the chat answer (router.gateway.openai_format.ChatFormat) they are:
 
     reasoning_content   a "reasoning" item (its text as reasoning_text content)
     content             a "message" item with one output_text part
@@ -24,8 +24,8 @@ import uuid
 from typing import Any
 
 from router.core import Delta
-from router.openai_format import ChatFormat, count_usage
-from router.responses_body import ResponsesBody
+from router.gateway.openai_format import ChatFormat, count_usage
+from router.gateway.responses_body import ResponsesBody
 
 _TEXT_EVENT = {"message": "output_text", "reasoning": "reasoning_text"}
 
