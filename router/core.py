@@ -53,6 +53,7 @@ class Request:
     max_speculative_tokens: int | None = None  # per-request cap on k; 0 = no speculation
     ignore_eos: bool = False
     tandem_metrics: bool = False  # report this request's figures (router.request_stats) with its usage
+    skip_special_tokens: bool = True  # the output text leaves out special tokens (vLLM's default)
     n: int = 1  # choices: n sequences from one prompt, computed once
     constraint: Constraint | None = None  # structured output, as the door read it
     grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)

@@ -32,7 +32,8 @@ class OutputBuilder:
         self.eos_ids = (set() if request.ignore_eos else eos_ids) | set(request.sampling.stop_token_ids)
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = request.skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
         self._pending_ids: list[int] = []  # consumed by the stream, text not out yet (incomplete bytes)
         self._unsent = ""  # decoded, not sent: may be the start of a stop string
         self._holdback = max((len(s) for s in request.stop), default=1) - 1
@@ -114,8 +115,8 @@ class OutputBuilder:
         if self._pending_ids:
             n = len(self.output_ids) - len(self._pending_ids)
             context = self.output_ids[max(0, n - _FLUSH_CONTEXT):n]
-            whole = self.tokenizer.decode(context + self._pending_ids, skip_special_tokens=True)
-            self._unsent += whole[len(self.tokenizer.decode(context, skip_special_tokens=True)):]
+            whole = self.tokenizer.decode(context + self._pending_ids, skip_special_tokens=self._skip)
+            self._unsent += whole[len(self.tokenizer.decode(context, skip_special_tokens=self._skip)):]
             self._pending_ids.clear()
         out.append(self._unsent)
         self._unsent = ""

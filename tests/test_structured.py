@@ -203,6 +203,17 @@ def test_min_p_one_samples_only_the_most_likely_token_so_equals_greedy(stack):
     assert post(router.url, "/v1/completions", prompt=prompt, min_p=1.5).json()["error"]["param"] == "min_p"
 
 
+def test_special_tokens_stay_in_the_text_when_asked(stack):
+    """vLLM's skip_special_tokens: false keeps a special token the model writes (here the tokenizer's
+    <s>, pushed by a bias) in the text, as tool-call markers that are special tokens need."""
+    router = stack["router"]
+    body = {"prompt": "x = ", "max_tokens": 3, "temperature": 0, "logit_bias": {"0": 100}}
+    kept = post(router.url, "/v1/completions", skip_special_tokens=False, **body).json()["choices"][0]
+    skipped = post(router.url, "/v1/completions", **body).json()["choices"][0]
+    assert kept["token_ids"] == skipped["token_ids"] == [0, 0, 0]
+    assert kept["text"] == "<s><s><s>" and skipped["text"] == ""
+
+
 def test_n_choices_share_one_prompt_computation(stack):
     router, tok = stack["router"], stack["tok"]
     prompt = tok("import os\nimport sys\n\n\ndef main(argv):\n    ", add_special_tokens=False)["input_ids"]

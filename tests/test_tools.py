@@ -310,3 +310,15 @@ def test_requests_that_cannot_be_honoured_are_400s_naming_the_field(stack, body,
     r = chat(stack["router"].url, **body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_auto_keeps_special_tokens_in_the_text_for_the_parser():
+    """A model's own call markers may be special tokens: an auto request keeps them in its text (vLLM's
+    hermes parser does the same); a named or required one has no markers to read."""
+    from router.gateway.openai_types import ChatBody
+
+    body = ChatBody(model="m", messages=ASK, tools=TOOLS)
+    defaults = SamplingParams()
+    assert body.to_request("r", [1], defaults, HERMES).skip_special_tokens is False
+    assert body.to_request("r", [1], defaults, tool_calling(TOOLS, "required", None)).skip_special_tokens is True
+    assert ChatBody(model="m", messages=ASK).to_request("r", [1], defaults).skip_special_tokens is True

@@ -2,7 +2,8 @@
 checked and turned into Requests; chat's tools as router.gateway.tools takes them. Extensions beyond
 OpenAI's fields: top_k, min_p, ignore_eos,
 max_speculative_tokens, typical_acceptance, return_token_ids, tandem_metrics, and vLLM's
-repetition_penalty, min_tokens, stop_token_ids, add_generation_prompt, continue_final_message, chat_template_kwargs,
+repetition_penalty, min_tokens, stop_token_ids, skip_special_tokens, add_generation_prompt, continue_final_message,
+chat_template_kwargs,
 structured_outputs (json, regex, choice, grammar, json_object) with its older
 guided_json/guided_regex/guided_choice/guided_grammar. Sampling fields left out (or null) take the
 served model's defaults (generation_config.json).
@@ -76,6 +77,7 @@ class _Common(OpenAIBody):
     max_speculative_tokens: StrictInt | None = None
     typical_acceptance: StrictBool = False
     return_token_ids: StrictBool = False  # extension: each choice also carries the generated token ids
+    skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens in the output text
     tandem_metrics: StrictBool = False  # extension: usage.tandem_metrics, this request's figures (request_stats)
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
@@ -109,7 +111,7 @@ class _Common(OpenAIBody):
         return Request(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                        stop=tuple(stop), logprobs=logprobs, max_speculative_tokens=self.max_speculative_tokens,
                        ignore_eos=self.ignore_eos, tandem_metrics=self.tandem_metrics, n=self.n,
-                       constraint=constraint)
+                       constraint=constraint, skip_special_tokens=self.skip_special_tokens)
 
     def _bias(self) -> tuple[tuple[int, float], ...] | None:
         if not self.logit_bias:
@@ -229,6 +231,8 @@ class ChatBody(_Common):
             raise RequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req = self._request(request_id, prompt_ids, defaults, logprobs, max_tokens)
+        if calling is not None and calling.auto:  # the model's own call markers may be special tokens (as vLLM)
+            req = replace(req, skip_special_tokens=False)
         constraint = calling.constraint() if calling is not None else None
         if constraint is None:
             return req
