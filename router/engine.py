@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -134,12 +135,13 @@ class RouterEngine:
         return min(n, self.config.max_model_len) if self.config.max_model_len else n
 
     # ---- requests ----------------------------------------------------------------------------
-    async def encode(self, text: str, field: str = "prompt") -> list[int]:
-        """Tokenize off the event loop; a text that surely exceeds the context is refused unencoded."""
-        return await self.codec.encode(text, self.max_model_len, field)
+    async def encode(self, text: str, field: str = "prompt", truncating: bool = False) -> list[int]:
+        """Tokenize off the event loop; a text that surely exceeds the context is refused unencoded
+        (unless the request keeps only the end of its prompt: the body's size limit bounds it then)."""
+        return await self.codec.encode(text, sys.maxsize if truncating else self.max_model_len, field)
 
-    async def encode_chat(self, messages: list[dict], **options: object) -> list[int]:
-        return await self.codec.encode_chat(messages, self.max_model_len, options)
+    async def encode_chat(self, messages: list[dict], truncating: bool = False, **options: object) -> list[int]:
+        return await self.codec.encode_chat(messages, sys.maxsize if truncating else self.max_model_len, options)
 
     def validate(self, req: Request) -> int:
         """RequestError naming the first bad field; else the number of tokens the request may generate."""

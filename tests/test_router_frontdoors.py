@@ -496,6 +496,28 @@ def test_several_prompts_are_answered_as_one_request(stack):
     assert usage["usage"] == out["usage"]
 
 
+def test_a_prompt_past_the_context_keeps_its_last_tokens_when_asked(stack):
+    """vLLM's truncate_prompt_tokens: the last k prompt tokens (-1: what leaves room for max_tokens),
+    answered as transformers answers that truncated prompt; without it, a 400."""
+    router, tok, target_dir = stack["router"], stack["tok"], stack["dirs"][0]
+    text = TEXT_PROMPT * 80  # far past max_model_len
+    ids = encode(tok, text)
+    assert len(ids) > MAX_MODEL_LEN
+    assert post(router.url, "/v1/completions", prompt=text, max_tokens=8).status_code == 400
+    out = post(router.url, "/v1/completions", prompt=text, max_tokens=8, truncate_prompt_tokens=40, echo=True,
+               ignore_eos=True).json()
+    choice = out["choices"][0]
+    assert out["usage"]["prompt_tokens"] == 40 and choice["token_ids"] == hf_greedy(target_dir, ids[-40:], 8)
+    assert choice["text"] == dec(tok, ids[-40:]) + dec(tok, choice["token_ids"]), "the echo is the prompt kept"
+    room = post(router.url, "/v1/completions", prompt=text, max_tokens=8, truncate_prompt_tokens=-1).json()
+    assert room["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 8
+    chat = post(router.url, "/v1/chat/completions", max_tokens=4, truncate_prompt_tokens=12,
+                messages=[{"role": "user", "content": text}]).json()
+    assert chat["usage"]["prompt_tokens"] == 12
+    bad = post(router.url, "/v1/completions", prompt=text, max_tokens=8, truncate_prompt_tokens=0)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_null_means_the_default(stack):
     """OpenAI's optional fields are nullable; clients that send null get what leaving them out gives."""
     router = stack["router"]

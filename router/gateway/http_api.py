@@ -94,9 +94,11 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             body = await parse(request, CompletionBody)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             prompts = body.prompts()
-            reqs = [body.to_request(request_id, await engine.encode(p) if isinstance(p, str) else p,
-                                    engine.sampling_defaults) for p in prompts]
-            echo = [(p if isinstance(p, str) else await engine.codec.decode(p), r.prompt_ids)
+            cut = body.truncate_prompt_tokens is not None
+            reqs = [body.to_request(request_id, body.truncated(
+                await engine.encode(p, truncating=cut) if isinstance(p, str) else p, engine.max_model_len),
+                engine.sampling_defaults) for p in prompts]
+            echo = [(p if isinstance(p, str) and not cut else await engine.codec.decode(r.prompt_ids), r.prompt_ids)
                     for p, r in zip(prompts, reqs, strict=True)] if body.echo else None
             fmt = CompletionFormat(engine.codec.decode_one, model_name, reqs[0], body.return_token_ids, echo=echo)
             return await respond(request, body, engine.submit(reqs[0]) if len(reqs) == 1 else engine.submit_all(reqs),
@@ -108,7 +110,9 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
 
     async def chat_request(body: ChatBody, request_id: str) -> tuple[CoreRequest, ChatFormat]:
         calling = body.tool_calling(engine.config.tool_call_parser)
-        ids = await engine.encode_chat(body.conversation(), **body.template_options())
+        cut = body.truncate_prompt_tokens is not None
+        ids = body.truncated(await engine.encode_chat(body.conversation(), cut, **body.template_options()),
+                             engine.max_model_len)
         req = body.to_request(request_id, ids, engine.sampling_defaults, calling)
         reasoning = engine.config.reasoning_parser
         if reasoning is not None and req.constraint is not None:

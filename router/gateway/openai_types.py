@@ -1,10 +1,9 @@
 """OpenAI-compatible request bodies (completions and chat, and vLLM's tokenize and detokenize),
 checked and turned into Requests; chat's tools as router.gateway.tools takes them. Extensions beyond
-OpenAI's fields: top_k, min_p, ignore_eos,
-max_speculative_tokens, typical_acceptance, return_token_ids, tandem_metrics, and vLLM's
-repetition_penalty, min_tokens, stop_token_ids, skip_special_tokens, add_generation_prompt, continue_final_message,
-chat_template_kwargs,
-structured_outputs (json, regex, choice, grammar, json_object) with its older
+OpenAI's fields: top_k, min_p, ignore_eos, max_speculative_tokens, typical_acceptance,
+return_token_ids, tandem_metrics, and vLLM's repetition_penalty, min_tokens, stop_token_ids,
+skip_special_tokens, truncate_prompt_tokens, add_generation_prompt, continue_final_message,
+chat_template_kwargs, structured_outputs (json, regex, choice, grammar, json_object) with its older
 guided_json/guided_regex/guided_choice/guided_grammar. Sampling fields left out (or null) take the
 served model's defaults (generation_config.json).
 
@@ -78,6 +77,7 @@ class _Common(OpenAIBody):
     typical_acceptance: StrictBool = False
     return_token_ids: StrictBool = False  # extension: each choice also carries the generated token ids
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens in the output text
+    truncate_prompt_tokens: StrictInt | None = None  # vLLM's: keep the prompt's last k tokens (-1: what fits)
     tandem_metrics: StrictBool = False  # extension: usage.tandem_metrics, this request's figures (request_stats)
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
@@ -91,6 +91,18 @@ class _Common(OpenAIBody):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (after the chat template: the
+        conversation's start goes first); -1 keeps what leaves room for max_tokens (or one token)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        if k == -1:
+            k = max_model_len - max(self.max_tokens or getattr(self, "max_completion_tokens", None) or 1, 1)
+        if k < 1:
+            raise RequestError("truncate_prompt_tokens", "must be >= 1, or -1 (what fits beside max_tokens)")
+        return prompt_ids[-k:]
 
     def _request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams, logprobs: int | None,
                  max_tokens: int | None) -> Request:
