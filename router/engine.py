@@ -140,7 +140,9 @@ class RouterEngine:
         (unless the request keeps only the end of its prompt: the body's size limit bounds it then)."""
         return await self.codec.encode(text, sys.maxsize if truncating else self.max_model_len, field)
 
-    async def encode_chat(self, messages: list[dict], truncating: bool = False, **options: object) -> list[int]:
+    async def encode_chat(self, messages: list[dict], options: dict[str, object],
+                          truncating: bool = False) -> list[int]:
+        """options: ChatFormatter.render's (the template's flags and variables, the request's own among them)."""
         return await self.codec.encode_chat(messages, sys.maxsize if truncating else self.max_model_len, options)
 
     def validate(self, req: Request) -> int:

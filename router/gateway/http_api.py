@@ -111,7 +111,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
     async def chat_request(body: ChatBody, request_id: str) -> tuple[CoreRequest, ChatFormat]:
         calling = body.tool_calling(engine.config.tool_call_parser)
         cut = body.truncate_prompt_tokens is not None
-        ids = body.truncated(await engine.encode_chat(body.conversation(), cut, **body.template_options()),
+        ids = body.truncated(await engine.encode_chat(body.conversation(), body.template_options(), cut),
                              engine.max_model_len)
         req = body.to_request(request_id, ids, engine.sampling_defaults, calling)
         reasoning = engine.config.reasoning_parser
@@ -201,7 +201,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         try:
             body = await parse(request, TokenizeBody)
             chat = body.chat()
-            ids = await engine.encode_chat(chat[0], **chat[1]) if chat else await engine.encode(body.prompt)
+            ids = await engine.encode_chat(*chat) if chat else await engine.encode(body.prompt)
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         except Refusal as e:
             return e.response
