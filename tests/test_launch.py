@@ -59,6 +59,7 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
         assert answer["usage"]["output_tokens"] == 4, "the printed Responses example"
         tools = [{"type": "function", "function": {"name": "f"}}]
         auto = _post(f"{base}/v1/chat/completions", {"model": pair.name, "max_tokens": 4, "tools": tools,
+                                                     "temperature": 0, "ignore_eos": True,
                                                      "messages": [{"role": "user", "content": "hi"}]})
         assert auto["choices"][0]["finish_reason"] == "length", "--tool-call-parser reached the router: auto is served"
         proc.send_signal(signal.SIGTERM)
