@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine import EngineConfig, ModelRunner, SeqInput
 from tests.conftest import write_checkpoint
@@ -19,9 +19,10 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def model_dir(request, tmp_path_factory):
-    config = (LlamaConfig if request.param == "llama" else Qwen2Config)(**SHAPE)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config,  # qwen3: per-head q/k norms
+              "qwen3": lambda **shape: Qwen3Config(**shape, head_dim=64)}[request.param](**SHAPE)
     return write_checkpoint(config, tmp_path_factory.mktemp(f"gpu-{request.param}"), seed=2)
 
 
