@@ -511,6 +511,10 @@ def test_a_prompt_past_the_context_keeps_its_last_tokens_when_asked(stack):
     assert choice["text"] == dec(tok, ids[-40:]) + dec(tok, choice["token_ids"]), "the echo is the prompt kept"
     room = post(router.url, "/v1/completions", prompt=text, max_tokens=8, truncate_prompt_tokens=-1).json()
     assert room["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 8
+    default = post(router.url, "/v1/completions", prompt=text, truncate_prompt_tokens=-1)  # max_tokens: OpenAI's 16
+    assert default.status_code == 200, default.text
+    assert default.json()["usage"] == {**default.json()["usage"], "prompt_tokens": MAX_MODEL_LEN - 16,
+                                       "completion_tokens": 16}
     chat = post(router.url, "/v1/chat/completions", max_tokens=4, truncate_prompt_tokens=12,
                 messages=[{"role": "user", "content": text}], chat_template_kwargs={"truncating": True}).json()
     assert chat["usage"]["prompt_tokens"] == 12, "(a template variable of any name is the template's)"

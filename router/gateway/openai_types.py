@@ -92,6 +92,10 @@ class _Common(OpenAIBody):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
 
+    def asked_max_tokens(self) -> int | None:
+        """The output length asked for, defaults applied (None: until EOS or the end of the context)."""
+        return self.max_tokens
+
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last k tokens (after the chat template: the
         conversation's start goes first); -1 keeps what leaves room for max_tokens (or one token)."""
@@ -99,7 +103,7 @@ class _Common(OpenAIBody):
         if k is None:
             return prompt_ids
         if k == -1:
-            k = max_model_len - max(self.max_tokens or getattr(self, "max_completion_tokens", None) or 1, 1)
+            k = max_model_len - (self.asked_max_tokens() or 1)
         if k < 1:
             raise RequestError("truncate_prompt_tokens", "must be >= 1, or -1 (what fits beside max_tokens)")
         return prompt_ids[-k:]
@@ -177,10 +181,13 @@ class CompletionBody(_Common):
                                          f"{len(prompts) * self.n} choices, more than {MAX_PROMPT_CHOICES}")
         return prompts
 
+    def asked_max_tokens(self) -> int:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
     def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams) -> Request:
         """echo with logprobs: the prompt tokens' logprobs too; max_tokens 0 with echo: the prompt alone
         (with its logprobs, as eval harnesses ask)."""
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        max_tokens = self.asked_max_tokens()
         req = self._request(request_id, prompt_ids, defaults, self.logprobs, max_tokens)
         if self.echo and (self.logprobs is not None or max_tokens == 0):
             req = replace(req, prompt_logprobs=self.logprobs or 0)
@@ -228,6 +235,9 @@ class ChatBody(_Common):
         return template_options(self.messages, self.add_generation_prompt, self.continue_final_message, self.tools,
                                 self.chat_template_kwargs)
 
+    def asked_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
     def tool_calling(self, parser: str | None = None) -> ToolCalling | None:
         """parser: the router's --tool-call-parser (tool_choice "auto" needs one)."""
         return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
@@ -236,7 +246,7 @@ class ChatBody(_Common):
                    calling: ToolCalling | None = None) -> Request:
         """max_tokens unset: until EOS or the end of the context, as OpenAI's chat API does. calling: this
         body's tool_calling(), whose constraint the output follows."""
-        max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+        max_tokens = self.asked_max_tokens()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "needs logprobs: true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
