@@ -143,6 +143,29 @@ def test_completion_streaming_equals_greedy_and_reports_usage(stack):
     assert all("usage" not in e for e in plain) and plain[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(stack):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens streamed up to it."""
+    router = stack["router"]
+    for path, extra in (("/v1/completions", {"prompt": IDS_PROMPT}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        events = sse(router.url, path, **extra, max_tokens=12, n=2, ignore_eos=True, return_token_ids=True,
+                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+        *chunks, last = events
+        assert last["choices"] == [] and len(chunks) >= 2, path
+        streamed = {0: 0, 1: 0}
+        for e in chunks:
+            for c in e["choices"]:
+                streamed[c["index"]] += len(c["token_ids"])
+            usage = e["usage"]
+            assert usage["completion_tokens"] == sum(streamed.values()), (path, e)
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert counts(last["usage"]) == counts(chunks[-1]["usage"]) and last["usage"]["completion_tokens"] == 24
+    # without include_usage it asks for nothing (as vLLM)
+    plain = sse(router.url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=4,
+                stream_options={"continuous_usage_stats": True})
+    assert all("usage" not in e for e in plain)
+
+
 def test_eos_finishes_with_stop_unless_ignored(stack):
     router, target_dir = stack["router"], stack["dirs"][0]
     want = hf_greedy(target_dir, IDS_PROMPT, 25)
@@ -586,6 +609,8 @@ BAD = {
     "max_tokens-0-without-echo": ("/v1/completions", {**OK, "max_tokens": 0, "logprobs": 1}, 400, "echo",
                                   "max_tokens", None),
     "suffix": ("/v1/completions", {**OK, "suffix": "x"}, 400, "suffix", "suffix", None),
+    "stream_options-unknown": ("/v1/completions", {**OK, "stream_options": {"include_usage": True, "every": 1}},
+                               400, "every", "stream_options.every", None),
     "prompts-one-empty": ("/v1/completions", {**OK, "prompt": ["hi", ""]}, 400, "prompt", "prompt", None),
     "prompts-of-mixed-kinds": ("/v1/completions", {**OK, "prompt": ["hi", [5, 6]]}, 400, "one kind", "prompt",
                                None),

@@ -155,6 +155,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         if stream.seq.request.tandem_metrics:
             fmt.metrics = functools.partial(report, stream.seq)
         if body.stream:
+            fmt.continuous_usage = body.continuous_usage
             return StreamingResponse(sse(fmt, stream, body.include_usage), media_type="text/event-stream")
         return await collect(request, fmt, stream)
 

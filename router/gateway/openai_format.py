@@ -61,6 +61,8 @@ class CompletionFormat:
         self.metrics = metrics  # usage.tandem_metrics, read when the usage is written
         self.echo = echo  # per prompt, its text and ids: each choice's text (and logprobs) start with them
         self._started: set[int] = set()  # choices whose first chunk was written
+        self.continuous_usage = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+        self._latest: dict[int, Delta] = {}  # each choice's last delta streamed: the usage so far
 
     def _usage(self, deltas: list[Delta]) -> dict:
         usage = count_usage(deltas, self.req.n)
@@ -109,8 +111,11 @@ class CompletionFormat:
         return []
 
     def events(self, d: Delta) -> list[str]:
+        self._latest[d.index] = d
         if not (d.text or d.token_ids or d.finish_reason) or (chunk := self.chunk(d)) is None:
             return []
+        if self.continuous_usage:
+            chunk["usage"] = count_usage(list(self._latest.values()), self.req.n)
         return [f"data: {json.dumps(chunk)}\n\n"]
 
     def closing(self, seen: list[Delta], usage: bool, failed: bool = False) -> list[str]:

@@ -60,6 +60,12 @@ class OpenAIBody(BaseModel):
         return sorted({k for k, v in body.items() if v is not None} - set(cls.model_fields) - HARMLESS)
 
 
+class StreamOptions(OpenAIBody):
+    include_usage: StrictBool = False  # a last chunk with the request's usage
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries the usage so far
+    include_obfuscation: StrictBool = True  # OpenAI's padding field against length side channels: not written
+
+
 class _Common(OpenAIBody):
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -70,7 +76,7 @@ class _Common(OpenAIBody):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     n: StrictInt = 1
     ignore_eos: StrictBool = False
     max_speculative_tokens: StrictInt | None = None
@@ -140,7 +146,13 @@ class _Common(OpenAIBody):
     @property
     def include_usage(self) -> bool:
         """Streams end with a usage chunk: asked for, or where the asked-for tandem_metrics go."""
-        return bool(self.stream_options and self.stream_options.get("include_usage")) or self.tandem_metrics
+        return bool(self.stream_options and self.stream_options.include_usage) or self.tandem_metrics
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: each streamed chunk also carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
 
 def _float(value: float | int | None) -> float | None:

@@ -51,6 +51,7 @@ class ResponsesBody(OpenAIBody):
     ignore_eos: StrictBool = False
 
     include_usage: ClassVar[bool] = False  # the usage is in response.completed, always
+    continuous_usage: ClassVar[bool] = False
 
     def chat(self) -> ChatBody:
         """The chat request this one means (every field checked there as on /v1/chat/completions)."""
