@@ -3,7 +3,8 @@
 Keys (--api-key, --api-key-file) are held only as SHA-256 digests and compared in constant time;
 no key, right or wrong, is ever logged or echoed. The key file is re-read when it changes (or on
 SIGHUP), so keys rotate without a restart. With keys on, every /v1/* route, /tokenize and
-/detokenize (and /metrics with --metrics-require-key) need `Authorization: Bearer KEY`, and the
+/detokenize (and /metrics with --metrics-require-key) need `Authorization: Bearer KEY` (or, as Anthropic's
+clients send it, `x-api-key: KEY`), and the
 gRPC Generate service the same `authorization` metadata: 401 / UNAUTHENTICATED otherwise.
 /health, /ready, gRPC health and reflection stay open.
 
@@ -190,9 +191,11 @@ class HTTPGuard:
             await self.app(scope, receive, send)
             return
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if header is None:  # Anthropic's clients send the key alone
+            header = next((f"Bearer {v.decode('latin-1')}" for k, v in scope["headers"] if k == b"x-api-key"), None)
         admission = self.guard.admit(header)
         if not admission.ok:
-            await _refusal(admission)(scope, receive, send)
+            await _refusal(admission, anthropic=scope["path"].startswith("/v1/messages"))(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)
@@ -200,12 +203,15 @@ class HTTPGuard:
             admission.release()
 
 
-def _refusal(a: Admission) -> JSONResponse:
+def _refusal(a: Admission, anthropic: bool = False) -> JSONResponse:
+    """In OpenAI's error shape, or in Anthropic's on its routes."""
     if a.status == 401:
-        return JSONResponse({"error": {"message": a.message, "type": "invalid_request_error", "param": None,
-                                       "code": "invalid_api_key"}}, 401, headers={"WWW-Authenticate": "Bearer"})
-    return JSONResponse({"error": {"message": a.message, "type": "rate_limit_error", "param": None, "code": 429}},
-                        429, headers={"Retry-After": str(a.retry_after)})
+        body = {"type": "error", "error": {"type": "authentication_error", "message": a.message}} if anthropic else \
+            {"error": {"message": a.message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+        return JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+    body = {"type": "error", "error": {"type": "rate_limit_error", "message": a.message}} if anthropic else \
+        {"error": {"message": a.message, "type": "rate_limit_error", "param": None, "code": 429}}
+    return JSONResponse(body, 429, headers={"Retry-After": str(a.retry_after)})
 
 
 # ---- gRPC: server interceptor --------------------------------------------------------------------

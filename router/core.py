@@ -101,6 +101,7 @@ class Delta:
     index: int = 0  # which of the request's n choices
     prompt_logprobs: list[TokenLogprob] | None = None  # first Delta: prompt tokens 1.. (Request.prompt_logprobs)
     cached_tokens: int = 0  # prompt tokens the target took from its prefix cache instead of computing them
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_id that ended it (EOS: None)
 
 
 class SeqStatus(enum.Enum):

@@ -29,7 +29,8 @@ class OutputBuilder:
         self.max_tokens = max_tokens
         self.index = index
         # stop_token_ids end generation like EOS (and are not part of the output), ignore_eos or not
-        self.eos_ids = (set() if request.ignore_eos else eos_ids) | set(request.sampling.stop_token_ids)
+        self._natural_eos = set() if request.ignore_eos else eos_ids
+        self.eos_ids = self._natural_eos | set(request.sampling.stop_token_ids)
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self._skip = request.skip_special_tokens
@@ -39,6 +40,7 @@ class OutputBuilder:
         self._holdback = max((len(s) for s in request.stop), default=1) - 1
         self._sent_tokens = 0
         self._cut = False  # a stop string matched: the text ends at it
+        self.stop_reason: str | int | None = None  # the stop string or stop token that ended it
         self.chars_scanned = 0  # stop-string search work, for the linearity test
         self._prompt_logprobs: dict[int, TokenLogprob] = {}  # position -> logprob of the prompt token there
         self._prompt_sent = False  # the first Delta went out (it carries the prompt's logprobs)
@@ -70,6 +72,7 @@ class OutputBuilder:
         for tok in token_ids:
             if tok in self.eos_ids:
                 self.finish_reason = FinishReason.STOP
+                self.stop_reason = None if tok in self._natural_eos else tok  # as vLLM reports it
                 break
             kept.append(tok)
             self.output_ids.append(tok)
@@ -98,9 +101,10 @@ class OutputBuilder:
             return False
         region = self._unsent + piece
         self.chars_scanned += len(region)
-        hits = [i for i in (region.find(s) for s in self.request.stop) if i >= 0]
+        hits = [(i, s) for s in self.request.stop if (i := region.find(s)) >= 0]
         if hits:
-            out.append(region[: min(hits)])
+            at, self.stop_reason = min(hits, key=lambda hit: hit[0])
+            out.append(region[:at])
             self._unsent = ""
             self.finish_reason = FinishReason.STOP
             self._cut = True
@@ -131,7 +135,7 @@ class OutputBuilder:
         return Delta(token_ids=new_tokens, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
                      completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
                      index=self.index, prompt_logprobs=self.scored_prompt() if first else None,
-                     cached_tokens=self.cached_prompt_tokens)
+                     cached_tokens=self.cached_prompt_tokens, stop_reason=self.stop_reason)
 
     def abort(self, reason: FinishReason, error: Exception | None = None) -> Delta:
         self.finish_reason = reason

@@ -5,6 +5,7 @@ from the text, never partly streamed), EOS, max_tokens, and UTF-8 held back unti
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -105,6 +106,7 @@ def test_earliest_stop_string_wins(tok):
     # a shorter string completing first cuts even where a longer one started earlier
     _, deltas = feed(builder(tok, stop=("hello(world", "lo(")), [[t] for t in ids])
     assert streamed(deltas) == "def hel"
+    assert deltas[-1].stop_reason == "lo(", "the one that matched is named (vLLM's stop_reason)"
 
 
 def test_a_possible_stop_prefix_is_held_back_then_released_when_it_does_not_match(tok):
@@ -145,6 +147,16 @@ def test_eos_finishes_with_stop_and_is_not_part_of_the_output(tok):
     assert delta.finish_reason is FinishReason.STOP and EOS not in delta.token_ids
     assert delta.text == "hello world"
     assert delta.completion_tokens == len(ids)
+    assert delta.stop_reason is None, "EOS is no stop string or stop token"
+
+
+def test_a_stop_token_is_named_as_the_stop_reason_unless_it_is_eos(tok):
+    ids = tok.encode("hello world").ids
+    req = Request("r", prompt_ids=[5], sampling=replace(GREEDY, stop_token_ids=(ids[1], EOS)), max_tokens=50)
+    _, delta = OutputBuilder(tok, req, {EOS}, 50).add(ids, None)
+    assert delta.finish_reason is FinishReason.STOP and delta.stop_reason == ids[1] and delta.token_ids == ids[:1]
+    _, delta = OutputBuilder(tok, req, {EOS}, 50).add([ids[0], EOS], None)
+    assert delta.finish_reason is FinishReason.STOP and delta.stop_reason is None
 
 
 def test_eos_alone_in_a_later_step(tok):

@@ -177,6 +177,22 @@ def test_openai_client_with_its_api_key(secure, pki):
         wrong.completions.create(model="tiny", prompt="x", max_tokens=2)
 
 
+def test_anthropic_client_with_its_api_key(secure, pki):
+    """Anthropic's clients send the key as x-api-key; a refusal comes in Anthropic's error shape."""
+    import httpx2  # the anthropic client's own HTTP stack
+    from anthropic import Anthropic, AuthenticationError
+
+    http = httpx2.Client(verify=client_context(pki))
+    right = Anthropic(base_url=secure["router"].url, api_key=KEY, http_client=http, max_retries=0)
+    out = right.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert out.usage.output_tokens >= 1
+    wrong = Anthropic(base_url=secure["router"].url, api_key=WRONG, http_client=http, max_retries=0)
+    with pytest.raises(AuthenticationError) as err:
+        wrong.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "authentication_error"
+    assert WRONG not in str(err.value.body)
+
+
 def test_grpc_key_required_wrong_and_right_health_open(secure, pki):
     req = generate_pb2.GenerateRequest(prompt_token_ids=PROMPTS[0], max_tokens=6, ignore_eos=True,
                                        sampling=common_pb2.SamplingParams(temperature=0))

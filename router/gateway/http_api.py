@@ -1,6 +1,6 @@
-"""HTTP front door (FastAPI): OpenAI-compatible completions, chat and responses (SSE streaming), vLLM's
-tokenize and detokenize, models, health, readiness and Prometheus metrics. Errors use OpenAI's
-shape and name the bad field.
+"""HTTP front door (FastAPI): OpenAI-compatible completions, chat and responses (SSE streaming),
+Anthropic's messages, vLLM's tokenize and detokenize, models, health, readiness and Prometheus
+metrics. Errors use OpenAI's shape (Anthropic's on its routes) and name the bad field.
 
 Nothing heavy runs on the event loop: the body is read with a hard byte limit (router.gateway.http_body),
 large bodies are parsed and every prompt is tokenized on the codec's thread pool."""
@@ -27,6 +27,8 @@ from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
 from router.core import Request as CoreRequest
 from router.engine import RequestStream, RouterEngine
 from router.gateway.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
+from router.gateway.messages_body import MessagesBody
+from router.gateway.messages_format import MessagesFormat, anthropic_error
 from router.gateway.openai_format import ChatFormat, CompletionFormat
 from router.gateway.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from router.gateway.reasoning import CLOSE as THINK_END
@@ -149,6 +151,32 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             return e.response
         except (RequestError, Overloaded, ServiceUnavailable) as e:
             return error_response(e)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (router.gateway.messages_body, router.gateway.messages_format), its errors
+        in Anthropic's shape."""
+        try:
+            body = await parse(request, MessagesBody)
+            req, chat = await chat_request(body.chat(), f"msg-{uuid.uuid4().hex}")
+            return anthropic_error(await respond(request, body, engine.submit(req), MessagesFormat(chat, body,
+                                                                                                   model_name)))
+        except Refusal as e:
+            return anthropic_error(e.response)
+        except (RequestError, Overloaded, ServiceUnavailable) as e:
+            return anthropic_error(error_response(e))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's: the prompt's tokens, as /v1/messages would encode it."""
+        try:
+            chat = (await parse(request, MessagesBody)).chat(counting=True)
+            return JSONResponse({"input_tokens": len(await engine.encode_chat(chat.conversation(),
+                                                                              chat.template_options()))})
+        except Refusal as e:
+            return anthropic_error(e.response)
+        except RequestError as e:
+            return anthropic_error(error_response(e))
 
     async def respond(request: Request, body, stream: RequestStream, fmt) -> Response:  # noqa: ANN001
         bind(request_id=stream.seq.request.request_id)  # every line this request's task logs from here on

@@ -101,7 +101,8 @@ class CompletionFormat:
         self._started.add(index)
         prompt_text, prompt_ids = self.echo[index // self.req.n] if echoed else ("", None)  # type: ignore[index]
         return {"index": index, "text": prompt_text + "".join(d.text for d in deltas),
-                "logprobs": self._logprobs(deltas, prompt_ids), "finish_reason": _finish(deltas[-1])}
+                "logprobs": self._logprobs(deltas, prompt_ids), "finish_reason": _finish(deltas[-1]),
+                "stop_reason": deltas[-1].stop_reason}
 
     def chunk(self, d: Delta) -> dict:
         return self._base([self._with_ids(self._choice([d], True), [d])], self.chunk_name)
@@ -194,7 +195,7 @@ class ChatFormat(CompletionFormat):
         self._started.add(index)
         message = {"role": "assistant", **body} if first else body
         return {"index": index, "delta" if streamed else "message": message, "logprobs": self._logprobs(deltas),
-                "finish_reason": finish}
+                "finish_reason": finish, "stop_reason": deltas[-1].stop_reason}
 
     def chunk(self, d: Delta) -> dict | None:
         """None while what the held text is cannot be told yet (a marker or a call being written)."""
