@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +25,15 @@ from common.logs import bind
 from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
 from router.core import Request as CoreRequest
 from router.engine import RequestStream, RouterEngine
-from router.gateway.http_body import PARSE_OFF_LOOP_BYTES, Refusal, error, parse_json, read_body
+from router.gateway.http_body import (
+    PARSE_OFF_LOOP_BYTES,
+    Refusal,
+    error,
+    error_response,
+    parse_json,
+    public_error,
+    read_body,
+)
 from router.gateway.messages_body import MessagesBody
 from router.gateway.messages_format import MessagesFormat, anthropic_error
 from router.gateway.openai_format import ChatFormat, CompletionFormat
@@ -37,28 +44,6 @@ from router.gateway.responses_body import ResponsesBody
 from router.gateway.responses_format import ResponsesFormat
 from router.request_stats import report
 from router.tracing import RouterTracer
-
-log = logging.getLogger(__name__)
-
-
-def public_error(err: Exception) -> tuple[int, dict]:
-    """Status and OpenAI-style body for an error that ended a request. Our own errors say what
-    happened; anything else is logged in full under an id and the client gets only that id."""
-    if isinstance(err, RequestError):
-        return 400, {"error": {"message": str(err), "type": "invalid_request_error", "param": err.field, "code": 400}}
-    if isinstance(err, Overloaded):
-        return 429, {"error": {"message": str(err), "type": "rate_limit_error", "param": None, "code": 429}}
-    if isinstance(err, ServiceUnavailable):
-        return 503, {"error": {"message": str(err), "type": "unavailable", "param": None, "code": 503}}
-    log_id = uuid.uuid4().hex[:12]
-    log.error("request failed [log id %s]: %r", log_id, err, exc_info=err)
-    return 500, {"error": {"message": f"internal error (log id {log_id})", "type": "server_error", "param": None,
-                           "code": 500}}
-
-
-def error_response(err: Exception) -> JSONResponse:
-    status, body = public_error(err)
-    return JSONResponse(body, status)
 
 
 def create_app(engine: RouterEngine, model_name: str) -> FastAPI:

@@ -1,21 +1,46 @@
 """Request bodies at the HTTP door: read with a hard byte limit (413 as soon as it is crossed, the
 rest drained unkept so the client can read the answer), parsed as JSON into a body type, every
-refusal an OpenAI-shaped error naming the field."""
+refusal an OpenAI-shaped error naming the field; and the error a failed request answers with."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from router.core import Overloaded, RequestError, ServiceUnavailable
 from router.gateway.openai_types import HARMLESS
+
+log = logging.getLogger(__name__)
 
 DRAIN_LIMIT_BYTES = 1 << 30  # past this an oversized body is cut off (connection closed) instead of drained
 PARSE_OFF_LOOP_BYTES = 256 * 2**10  # larger bodies are parsed on a thread
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # JSON's only way to write a surrogate
+
+
+def public_error(err: Exception) -> tuple[int, dict]:
+    """Status and OpenAI-style body for an error that ended a request. Our own errors say what
+    happened; anything else is logged in full under an id and the client gets only that id."""
+    if isinstance(err, RequestError):
+        return 400, {"error": {"message": str(err), "type": "invalid_request_error", "param": err.field, "code": 400}}
+    if isinstance(err, Overloaded):
+        return 429, {"error": {"message": str(err), "type": "rate_limit_error", "param": None, "code": 429}}
+    if isinstance(err, ServiceUnavailable):
+        return 503, {"error": {"message": str(err), "type": "unavailable", "param": None, "code": 503}}
+    log_id = uuid.uuid4().hex[:12]
+    log.error("request failed [log id %s]: %r", log_id, err, exc_info=err)
+    return 500, {"error": {"message": f"internal error (log id {log_id})", "type": "server_error", "param": None,
+                           "code": 500}}
+
+
+def error_response(err: Exception) -> JSONResponse:
+    status, body = public_error(err)
+    return JSONResponse(body, status)
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
