@@ -107,9 +107,8 @@ class MessagesFormat:
         return [self._event("message_start", message=self._message(None))]
 
     def events(self, d: Delta) -> list[str]:
-        if not (d.text or d.token_ids or d.finish_reason) or (chunk := self.chat.chunk(d)) is None:
+        if (choice := self.chat.streamed_choice(d)) is None:
             return []
-        choice = chunk["choices"][0]
         delta, out = choice["delta"], []
         if delta.get("reasoning_content"):
             out += self._write("thinking", delta["reasoning_content"])

@@ -220,6 +220,12 @@ class ChatFormat(CompletionFormat):
             del self._held[d.index]
         return self._base([self._with_ids(self._message(deltas, True, body, finish), deltas)], self.chunk_name)
 
+    def streamed_choice(self, d: Delta) -> dict | None:
+        """The one choice a delta's chunk writes (the other APIs' events are made of it); None: nothing yet."""
+        if not (d.text or d.token_ids or d.finish_reason) or (chunk := self.chunk(d)) is None:
+            return None
+        return chunk["choices"][0]
+
     def _answer_part(self, held: _Held, answer: str, d: Delta) -> tuple[dict, str | None]:
         """What of the answer this chunk writes, and its finish_reason."""
         finished, tools = d.finish_reason is not None, self.tools

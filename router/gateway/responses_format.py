@@ -109,9 +109,8 @@ class ResponsesFormat:
                 self._event("response.in_progress", response=self._response(None, "in_progress"))]
 
     def events(self, d: Delta) -> list[str]:
-        if not (d.text or d.token_ids or d.finish_reason) or (chunk := self.chat.chunk(d)) is None:
+        if (choice := self.chat.streamed_choice(d)) is None:
             return []
-        choice = chunk["choices"][0]
         delta, out = choice["delta"], []
         if delta.get("reasoning_content"):
             out += self._write("reasoning", delta["reasoning_content"])
