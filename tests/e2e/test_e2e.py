@@ -306,3 +306,27 @@ def test_structured_output_n_tools_and_responses_with_the_official_client(client
                                           temperature=0)
     answer = client.responses.create(model=model, input="Hi", max_output_tokens=12, temperature=0)
     assert answer.output_text == chat.choices[0].message.content and answer.usage.output_tokens == 12
+
+
+def test_anthropic_messages_with_the_official_client(stack, client, model):
+    """Anthropic's client, its key sent as x-api-key: a text answer is the chat answer, streamed to the same
+    message, and a forced tool call is a tool_use block."""
+    import httpx2
+    from anthropic import Anthropic
+
+    anthropic = Anthropic(base_url=stack.url, api_key=getattr(stack, "api_key", "") or "unused", max_retries=0,
+                          http_client=httpx2.Client(verify=stack.ssl_context() or True, timeout=120))
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                          temperature=0)
+    asked = {"model": model, "max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}],
+             "extra_body": {"temperature": 0}}
+    answer = anthropic.messages.create(**asked)
+    assert answer.content[0].text == chat.choices[0].message.content
+    with anthropic.messages.stream(**asked) as s:
+        assert s.get_final_message().content[0].text == answer.content[0].text
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+            "additionalProperties": False}
+    called = anthropic.messages.create(**asked | {"max_tokens": 40}, tools=[{"name": "weather", "input_schema": city}],
+                                       tool_choice={"type": "tool", "name": "weather"})
+    assert called.stop_reason == "tool_use" and called.content[0].name == "weather"
+    assert isinstance(called.content[0].input["city"], str)
