@@ -19,6 +19,7 @@ from router.structured import Constraint
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.Generate"
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 log = logging.getLogger(__name__)
 
 
@@ -40,9 +41,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         self.engine = engine
 
     async def _request(self, msg: generate_pb2.GenerateRequest) -> Request:
-        if msg.prompt and msg.prompt_token_ids:
-            raise RequestError("prompt", "give prompt or prompt_token_ids, not both")
-        ids = list(msg.prompt_token_ids) if msg.prompt_token_ids else await self.engine.encode(msg.prompt)
+        if sum(map(bool, (msg.prompt, msg.prompt_token_ids, msg.messages))) > 1:
+            raise RequestError("prompt", "give one of prompt, prompt_token_ids and messages")
+        ids = list(msg.prompt_token_ids) if msg.prompt_token_ids else \
+            await self._chat(msg.messages) if msg.messages else await self.engine.encode(msg.prompt)
         sampling = self.engine.sampling_defaults.updated(**SamplingParams.given_in(msg.sampling))
         return Request(
             request_id=msg.request_id or f"gen-{uuid.uuid4().hex}", prompt_ids=ids, sampling=sampling,
@@ -52,6 +54,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics, constraint=_constraint(msg),
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         )
+
+    async def _chat(self, messages: list[generate_pb2.ChatMessage]) -> list[int]:
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise RequestError(f"messages.{i}.role", f"one of {', '.join(CHAT_ROLES)}")
+        return await self.engine.encode_chat([{"role": m.role, "content": m.content} for m in messages],
+                                             {"add_generation_prompt": True, "continue_final_message": False})
 
     async def _submit(self, msg: generate_pb2.GenerateRequest | Undecodable,
                       context: grpc.aio.ServicerContext) -> tuple[Request, RequestStream]:
@@ -112,6 +121,8 @@ def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> gener
     last = deltas[-1] if deltas else None
     final = last is not None and last.finish_reason is not None
     metrics = generate_pb2.RequestMetrics(**report(stream.seq)) if final and req.tandem_metrics else None
+    stop = last.stop_reason if final and last is not None else None
+    stopped_by = {"stop_string": stop} if isinstance(stop, str) else {"stop_token_id": stop} if stop is not None else {}
     return generate_pb2.GenerateResponse(
         request_id=req.request_id, text="".join(d.text for d in deltas),
         token_ids=[t for d in deltas for t in d.token_ids],
@@ -119,7 +130,7 @@ def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> gener
         prompt_logprobs=_wire([lp for d in deltas for lp in d.prompt_logprobs or []]),
         finish_reason=last.finish_reason.value if last and last.finish_reason else "",
         prompt_tokens=len(req.prompt_ids), completion_tokens=last.completion_tokens if last else 0,
-        cached_prompt_tokens=last.cached_tokens if last else 0, tandem_metrics=metrics,
+        cached_prompt_tokens=last.cached_tokens if last else 0, tandem_metrics=metrics, **stopped_by,
     )
 
 

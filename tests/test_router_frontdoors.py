@@ -770,6 +770,18 @@ def test_grpc_generate_streaming_and_unary_match_transformers(stack, channel):
     one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=IDS_PROMPT, max_tokens=40, stop=[stop],
                                                           ignore_eos=True, sampling=GREEDY_PB), timeout=60)
     assert one.text == expected and one.finish_reason == "stop"
+    assert one.WhichOneof("stop_reason") == "stop_string" and one.stop_string == stop
+    # a conversation: the chat door's prompt, the same answer
+    chat = post(stack["router"].url, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=8, ignore_eos=True, return_token_ids=True).json()
+    want, hi = chat["choices"][0]["token_ids"], [generate_pb2.ChatMessage(role="user", content="hi")]
+    one = stub.GenerateUnary(generate_pb2.GenerateRequest(messages=hi, max_tokens=8, ignore_eos=True,
+                                                          sampling=GREEDY_PB), timeout=60)
+    assert list(one.token_ids) == want and one.prompt_tokens == chat["usage"]["prompt_tokens"]
+    assert one.WhichOneof("stop_reason") is None
+    one = stub.GenerateUnary(generate_pb2.GenerateRequest(messages=hi, max_tokens=8, ignore_eos=True, sampling=(
+        common_pb2.SamplingParams(temperature=0.0, stop_token_ids=[want[2]]))), timeout=60)
+    assert list(one.token_ids) == want[:want.index(want[2])] and one.stop_token_id == want[2]
     # the prompt's logprobs: on the first message, one per prompt token but the first
     ref = torch.log_softmax(hf_logits(target_dir, LONG_IDS).double(), -1)
     msgs = list(stub.Generate(generate_pb2.GenerateRequest(prompt_token_ids=LONG_IDS, max_tokens=3, prompt_logprobs=1,
@@ -787,6 +799,9 @@ GRPC_BAD = {
     "negative-temperature": (dict(prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(temperature=-1.0)),
                              "temperature"),
     "prompt-and-ids": (dict(prompt="hi", prompt_token_ids=[5, 6]), "prompt"),
+    "prompt-and-messages": (dict(prompt="hi", messages=[generate_pb2.ChatMessage(role="user", content="x")]),
+                            "prompt"),
+    "chat-role": (dict(messages=[generate_pb2.ChatMessage(role="wizard", content="x")]), "messages.0.role"),
     "empty-prompt": (dict(), "prompt"),
     "token-id-beyond-vocab": (dict(prompt_token_ids=[5, 10**6]), "prompt"),
     "too-long": (dict(prompt_token_ids=[5], max_tokens=MAX_MODEL_LEN), "max_tokens"),
