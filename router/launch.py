@@ -145,6 +145,9 @@ Tandem is ready: {stack.url}  (gRPC Generate on {stack.host}:{stack.grpc_port}){
   curl {stack.url}/v1/responses -H 'Content-Type: application/json' \\
        -d '{{"model": "{name}", "input": "Write a haiku about Paris", "max_output_tokens": 48}}'
 
+  curl {stack.url}/v1/messages -H 'Content-Type: application/json' \
+       -d '{{"model": "{name}", "max_tokens": 48, "messages": [{{"role": "user", "content": "Name three rivers"}}]}}'
+
   python -c "from openai import OpenAI; c = OpenAI(base_url='{stack.url}/v1', api_key='none'); \\
 print(c.completions.create(model='{name}', prompt='import os\\n', max_tokens=32, temperature=0).choices[0].text)"
 

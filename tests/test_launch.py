@@ -57,6 +57,9 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
         assert done["usage"]["completion_tokens"] == 8
         answer = _post(f"{base}/v1/responses", {"model": pair.name, "input": "hello", "max_output_tokens": 4})
         assert answer["usage"]["output_tokens"] == 4, "the printed Responses example"
+        message = _post(f"{base}/v1/messages", {"model": pair.name, "max_tokens": 4, "messages": [
+            {"role": "user", "content": "hello"}]})
+        assert message["type"] == "message" and message["usage"]["output_tokens"] <= 4, "the printed Messages example"
         tools = [{"type": "function", "function": {"name": "f"}}]
         auto = _post(f"{base}/v1/chat/completions", {"model": pair.name, "max_tokens": 4, "tools": tools,
                                                      "temperature": 0, "ignore_eos": True,
