@@ -54,6 +54,7 @@ class Request:
     ignore_eos: bool = False
     tandem_metrics: bool = False  # report this request's figures (router.request_stats) with its usage
     skip_special_tokens: bool = True  # the output text leaves out special tokens (vLLM's default)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token) that ends it stays in
     n: int = 1  # choices: n sequences from one prompt, computed once
     constraint: Constraint | None = None  # structured output, as the door read it
     grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)

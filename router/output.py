@@ -73,7 +73,8 @@ class OutputBuilder:
             if tok in self.eos_ids:
                 self.finish_reason = FinishReason.STOP
                 self.stop_reason = None if tok in self._natural_eos else tok  # as vLLM reports it
-                break
+                if self.stop_reason is None or not self.request.include_stop_str_in_output:
+                    break
             kept.append(tok)
             self.output_ids.append(tok)
             piece = self._stream.step(self.tokenizer, tok)
@@ -83,6 +84,8 @@ class OutputBuilder:
                 self._pending_ids.clear()
                 if self._take(piece, out):
                     break
+            if self.finish_reason is not None:  # a stop token kept in the output (include_stop_str_in_output)
+                break
             if len(self.output_ids) >= self.max_tokens:
                 self.finish_reason = FinishReason.LENGTH
                 break
@@ -104,7 +107,7 @@ class OutputBuilder:
         hits = [(i, s) for s in self.request.stop if (i := region.find(s)) >= 0]
         if hits:
             at, self.stop_reason = min(hits, key=lambda hit: hit[0])
-            out.append(region[:at])
+            out.append(region[:at + (len(self.stop_reason) if self.request.include_stop_str_in_output else 0)])
             self._unsent = ""
             self.finish_reason = FinishReason.STOP
             self._cut = True

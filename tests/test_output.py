@@ -107,6 +107,10 @@ def test_earliest_stop_string_wins(tok):
     _, deltas = feed(builder(tok, stop=("hello(world", "lo(")), [[t] for t in ids])
     assert streamed(deltas) == "def hel"
     assert deltas[-1].stop_reason == "lo(", "the one that matched is named (vLLM's stop_reason)"
+    b = builder(tok, stop=("hello(world", "lo("))
+    b.request = replace(b.request, include_stop_str_in_output=True)
+    _, deltas = feed(b, [[t] for t in ids])
+    assert streamed(deltas) == "def hello(", "include_stop_str_in_output keeps the string that matched, no more"
 
 
 def test_a_possible_stop_prefix_is_held_back_then_released_when_it_does_not_match(tok):
@@ -157,6 +161,11 @@ def test_a_stop_token_is_named_as_the_stop_reason_unless_it_is_eos(tok):
     assert delta.finish_reason is FinishReason.STOP and delta.stop_reason == ids[1] and delta.token_ids == ids[:1]
     _, delta = OutputBuilder(tok, req, {EOS}, 50).add([ids[0], EOS], None)
     assert delta.finish_reason is FinishReason.STOP and delta.stop_reason is None
+    kept = replace(req, include_stop_str_in_output=True)
+    taken, delta = OutputBuilder(tok, kept, {EOS}, 50).add(ids, None)
+    assert taken == delta.token_ids == ids[:2] and delta.text == tok.decode(ids[:2]) and delta.stop_reason == ids[1]
+    taken, delta = OutputBuilder(tok, kept, {EOS}, 50).add([ids[0], EOS], None)
+    assert taken == [ids[0]] and delta.stop_reason is None, "EOS never joins the output"
 
 
 def test_eos_alone_in_a_later_step(tok):

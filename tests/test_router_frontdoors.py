@@ -216,6 +216,9 @@ def test_stop_string_cuts_text_before_it(stack, stream):
     # generation ran exactly up to the token that completed the stop string
     assert ids == want[:len(ids)] and len(ids) < 40
     assert stop in dec(tok, ids) and stop not in dec(tok, ids[:-1])
+    # vLLM's include_stop_str_in_output: the same tokens, the stop string kept
+    kept = post(router.url, "/v1/completions", **body, include_stop_str_in_output=True).json()["choices"][0]
+    assert kept["text"] == expected + stop and kept["token_ids"] == ids and kept["stop_reason"] == stop
 
 
 def test_completion_logprobs_match_transformers(stack):
