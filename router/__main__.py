@@ -12,7 +12,7 @@ from common.cli import env_settable
 from common.logs import add_log_args, setup_logging
 from common.tls import TLSError
 from common.tracing import add_tracing_args, tracing_from_args
-from router.config import REASONING_PARSERS, TOOL_PARSERS, RouterConfig
+from router.config import REASONING_PARSERS, SCHEDULING_POLICIES, TOOL_PARSERS, RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
 from router.lanes import IncompatibleLimits
@@ -46,6 +46,11 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0,
                    help="longest sequence served (0: what the target and both KV caches allow)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue length before 429")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
+                   help="fcfs: first come, first served (the newest running request is preempted when KV runs "
+                        "out); priority: each request's `priority` (lower first, as vLLM's; ties by arrival) orders "
+                        "the queue and prompt chunks, a waiting request preempts a running one of lower priority "
+                        "when there is no room, and the lowest is preempted first")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest HTTP request body; a larger one gets 413 as soon as the limit is crossed")
     p.add_argument("--num-speculative-tokens", "--k-max", type=int, default=d.k_max,
@@ -96,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+        scheduling_policy=args.scheduling_policy,
         k_max=args.num_speculative_tokens,
         dynamic_k=not args.no_dynamic_k, pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
         chain_steps=not args.no_chain_steps,

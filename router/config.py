@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 TOOL_PARSERS = ("hermes",)  # the models' own tool-call formats router.gateway.tools reads
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # where router.gateway.reasoning finds a model's thinking
+SCHEDULING_POLICIES = ("fcfs", "priority")  # router.scheduler's order of admission and choice of victims
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class RouterConfig:
     max_num_seqs: int = 32  # sequences running at once
     max_model_len: int = 0  # longest sequence served; 0: what the target and both KV caches allow
     max_waiting: int = 256  # queued requests beyond which new ones get 429
+    scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders, admits and preempts
     max_body_bytes: int = 2 * 2**20  # HTTP request bodies past this get 413 (as TGI's --payload-limit)
     k_max: int = 4  # largest speculation length per sequence per step
     dynamic_k: bool = True  # choose k per sequence from acceptance and load; else always k_max
@@ -51,6 +53,8 @@ class RouterConfig:
             raise ValueError("k_max must be in [0, 16]")
         if self.max_waiting < 0 or self.max_model_len < 0 or self.max_body_bytes < 1024:
             raise ValueError("max_waiting and max_model_len must be >= 0, max_body_bytes >= 1024")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.tool_call_parser not in (None, *TOOL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):

@@ -56,6 +56,7 @@ class Request:
     skip_special_tokens: bool = True  # the output text leaves out special tokens (vLLM's default)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token) that ends it stays in
     n: int = 1  # choices: n sequences from one prompt, computed once
+    priority: int = 0  # with --scheduling-policy priority: lower is served first (vLLM's convention)
     constraint: Constraint | None = None  # structured output, as the door read it
     grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)
     # A reasoning model's think-end token: the constraint holds from the token after it (the model

@@ -163,6 +163,9 @@ class RouterEngine:
                 raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds "
                                                  f"max_model_len {limit}")
         req.sampling.check()
+        if req.priority and self.config.scheduling_policy != "priority":
+            raise RequestError("priority", "the router serves first come, first served (start it with "
+                                           "--scheduling-policy priority)")
         if any(not s for s in req.stop):
             raise RequestError("stop", "stop strings must not be empty")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:

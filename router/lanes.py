@@ -102,7 +102,7 @@ def migrate(src: Lane, lanes: list[Lane], metrics: Metrics) -> list[tuple[Sequen
         seq.status = SeqStatus.WAITING
         seq.forget_caches()
         seq.lane = dst
-        dst.scheduler.waiting.appendleft(seq)
+        dst.scheduler.requeue(seq)
         dst.wake.set()
         moved.append((seq, dst))
     if moved:

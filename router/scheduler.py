@@ -6,6 +6,11 @@ speculation lookahead; when a step's growth does not fit, the newest running seq
 preempted (its caches dropped, its history kept for recompute). Admission is FCFS and needs
 room in BOTH caches. The scheduler is pure bookkeeping: no I/O, testable without services.
 
+With --scheduling-policy priority, each request's priority (lower first, then arrival) orders the
+queue and the prompt chunks, the lowest running sequence is the one preempted, and a waiting one
+that finds no room preempts running sequences of strictly lower priority (strictly: a victim never
+preempts back the sequence that preempted it).
+
 With prefix caching (router.prefix), a sequence starting at a service attaches the cached blocks of
 its history's longest cached prefix: its first chunk starts after them, and they are reserved once
 however many running sequences attach them (a sequence's own blocks are counted as its own, even
@@ -14,6 +19,7 @@ when another attached them: the accounting may over-count shared blocks, never u
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,8 +137,32 @@ class Scheduler:
         return max(0, n)
 
     # ---- queue -----------------------------------------------------------------------------
+    @property
+    def by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
+    @staticmethod
+    def rank(seq: Sequence) -> tuple[int, float, int]:
+        """Who goes first under the priority policy: lower priority value, then earlier arrival."""
+        return seq.request.priority, seq.arrival, seq.seq_id
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self.waiting.insert(bisect.bisect_right([self.rank(s) for s in self.waiting], self.rank(seq)), seq)
+        else:
+            self.waiting.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """A sequence sent back to waiting (preempted, moved from a lost replica): first come, it goes to
+        the front; by priority, where its rank puts it."""
+        if self.by_priority:
+            self.add(seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def victim(self) -> Sequence:
+        """The running sequence to preempt first: the newest, or the lowest by priority."""
+        return max(self.running, key=self.rank) if self.by_priority else self.running[-1]
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -150,7 +180,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.forget_caches()
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.requeue(seq)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, choose_ks: Callable[[list[Sequence], int], list[int]],
@@ -163,12 +193,14 @@ class Scheduler:
             for seq in self.running:
                 self.prefix.observe(seq)
         self._make_room(plan)
-        self._admit()
+        self._admit(plan)
         if self.prefix is not None:
             self._replan_lost()
         budget = self.budget
         running = self.running if only is None else [s for s in self.running if s is only]
         prefilling = [s for s in running if s.prefilling and not s.waits_for_fork]  # siblings fork (loop.py)
+        if self.by_priority:
+            prefilling.sort(key=self.rank)
         if prefilling and not self.config.chunked_prefill:
             # prefill-first: whole prompts, no decodes, as many as the budget allows (at least one)
             for seq in prefilling:
@@ -201,13 +233,24 @@ class Scheduler:
 
     def _make_room(self, plan: StepPlan) -> None:
         while self.running and not self._fits(*self.usage()):
-            victim = self.running[-1]
+            victim = self.victim()
             self.preempt(victim)
             plan.preempted.append(victim)
 
-    def _admit(self) -> None:
+    def _admit(self, plan: StepPlan) -> None:
+        while not self._admit_in_order() and self.by_priority and self.running:
+            victim = self.victim()
+            if victim.request.priority <= self.waiting[0].request.priority:
+                return
+            self.preempt(victim)  # the head ranks strictly higher: room for it, whatever the victim had done
+            plan.preempted.append(victim)
+
+    def _admit_in_order(self) -> bool:
+        """Admit from the head of the queue while it fits; True when the queue emptied."""
         t, d, shared_t, shared_d = self._usage()
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting:
+            if len(self.running) >= self.config.max_num_seqs:
+                return False
             seq = self.waiting[0]
             at: tuple[int, ...] = ()
             ad: tuple[int, ...] = ()
@@ -218,13 +261,14 @@ class Scheduler:
             rt, rd = self._reserve(seq)
             new_t, new_d = len(set(at) - shared_t), len(set(ad) - shared_d)
             if not self._fits(t + len(shared_t) + rt + new_t, d + len(shared_d) + rd + new_d):
-                break
+                return False
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             t, d = t + rt, d + rd
             shared_t.update(at)
             shared_d.update(ad)
+        return True
 
     def _replan_lost(self) -> None:
         """Running sequences whose target cache is gone (a cache miss, a lost target) start over,

@@ -69,7 +69,7 @@ class StepFaults:
         """The target refused the step: a capacity mismatch preempts, a bad entry fails its request."""
         log.error("target rejected a step: %s", err)
         if err.code.name == "RESOURCE_EXHAUSTED" and self.scheduler.running:
-            victim = self.scheduler.running[-1]  # the service holds blocks the router did not count
+            victim = self.scheduler.victim()  # the service holds blocks the router did not count
             self.scheduler.preempt(victim)
             self.metrics.preemptions.inc()
             return [victim.seq_id]

@@ -612,6 +612,8 @@ BAD = {
     "max_tokens-0-without-echo": ("/v1/completions", {**OK, "max_tokens": 0, "logprobs": 1}, 400, "echo",
                                   "max_tokens", None),
     "suffix": ("/v1/completions", {**OK, "suffix": "x"}, 400, "suffix", "suffix", None),
+    "priority-served-fcfs": ("/v1/completions", {**OK, "priority": -1}, 400, "--scheduling-policy", "priority",
+                             None),
     "stream_options-unknown": ("/v1/completions", {**OK, "stream_options": {"include_usage": True, "every": 1}},
                                400, "every", "stream_options.every", None),
     "prompts-one-empty": ("/v1/completions", {**OK, "prompt": ["hi", ""]}, 400, "prompt", "prompt", None),

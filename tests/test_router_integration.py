@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 
 import httpx
 import pytest
@@ -174,6 +175,39 @@ def test_small_kv_cache_preempts_and_recomputes_correctly(model_pair):
                     ref[torch.arange(len(p) - 1), torch.tensor(p[1:])].tolist(), abs=1e-3)
         assert metric(router.url, "tandem:num_preemptions_total") > 0, "the cache was meant to be too small"
         assert trunner.blocks.num_free == 24 or wait_until(lambda: trunner.blocks.num_free == 24)
+    finally:
+        router.stop(), target.stop(), draft.stop()
+
+
+def test_by_priority_an_urgent_request_preempts_running_ones_and_every_answer_stays_exact(model_pair):
+    """--scheduling-policy priority with room for two sequences: two long low-priority requests run, an
+    urgent one arrives, takes a running one's place at once (preempted, recomputed later) and ends
+    before both (first come, first served, it would wait for one of them to end); every answer is
+    transformers' greedy output."""
+    target_dir, draft_dir = model_pair
+    target, trunner = start_target(target_dir, step_delay_s=REALISTIC_STEP_S)
+    draft, _ = start_draft(draft_dir)
+    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=2, scheduling_policy="priority"),
+                          target.address, draft.address, target_dir)
+    try:
+        low, urgent = [p for p in prompts(16) if 60 <= len(p) <= 72][:2], prompts(16)[0]
+        done: dict[str, float] = {}
+
+        def run(name: str, prompt: list[int], max_tokens: int, priority: int) -> dict:
+            out = complete(router.url, prompt, max_tokens, priority=priority)
+            done[name] = time.monotonic()
+            return out
+
+        with cf.ThreadPoolExecutor(3) as pool:
+            lows = [pool.submit(run, f"low{i}", p, 80, 5) for i, p in enumerate(low)]
+            assert wait_until(lambda: metric(router.url, "tandem:generation_tokens_total") >= 8)
+            first = pool.submit(run, "urgent", urgent, 12, 0)
+            outs = [f.result() for f in lows] + [first.result()]
+        for p, out, n in zip([*low, urgent], outs, (80, 80, 12), strict=True):
+            assert out["choices"][0]["token_ids"] == hf_greedy(target_dir, p, n)
+        assert metric(router.url, "tandem:num_preemptions_total") >= 1, "a low one gave up its place"
+        assert done["urgent"] < min(done["low0"], done["low1"])
+        assert wait_until(lambda: trunner.blocks.num_free == 256)
     finally:
         router.stop(), target.stop(), draft.stop()
 

@@ -11,6 +11,7 @@ produce exactly the reference continuation.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -117,8 +118,9 @@ def wild_ks(decoders: list[Sequence], prefill_tokens: int) -> list[int]:
     return [hash((s.seq_id, len(s.tokens))) % 20 for s in decoders]
 
 
-def make_seq(seq_id: int, prompt: list[int], max_tokens: int) -> Sequence:
-    req = Request(request_id=f"r{seq_id}", prompt_ids=list(prompt), sampling=GREEDY, max_tokens=max_tokens)
+def make_seq(seq_id: int, prompt: list[int], max_tokens: int, priority: int = 0) -> Sequence:
+    req = Request(request_id=f"r{seq_id}", prompt_ids=list(prompt), sampling=GREEDY, max_tokens=max_tokens,
+                  priority=priority)
     return Sequence(seq_id=seq_id, request=req, tokens=list(prompt), num_prompt=len(prompt))
 
 
@@ -142,13 +144,16 @@ class Sim:
         # seq_id -> prefill passes (the first, then one per preemption): (start, end, emit, len(history))
         self.passes: dict[int, list[list[tuple[int, int, bool, int]]]] = {}
         self.choose_calls: list[tuple[int, int]] = []  # (len(decoders), prefill_tokens)
+        self.rounds: list[tuple[list[Sequence], list[Sequence]]] = []  # per step: (admitted, left waiting)
 
     def _choose(self, decoders: list[Sequence], prefill_tokens: int) -> list[int]:
         self.choose_calls.append((len(decoders), prefill_tokens))
         return self.choose_ks(decoders, prefill_tokens)
 
     def step(self) -> StepPlan:
+        before = set(map(id, self.scheduler.running))
         plan = self.scheduler.schedule(self._choose)
+        self.rounds.append(([s for s in self.scheduler.running if id(s) not in before], list(self.scheduler.waiting)))
         check_step_invariants(self.scheduler, plan)
         for seq in plan.preempted:
             self.service.release(seq.seq_id)  # the loop must drop a preempted sequence's caches
@@ -527,3 +532,101 @@ def test_recompute_stopping_one_short_of_the_history_resumes_as_a_decode():
     assert steps[4].decodes == [(seq, 1)] and not steps[4].chunks
     sim.run([])
     assert seq.tokens == prompt + reference_continuation(prompt, 5)
+
+
+# ---- priority scheduling -----------------------------------------------------------------------------
+PRIORITY = RouterConfig(max_num_batched_tokens=64, max_num_seqs=8, k_max=0, scheduling_policy="priority")
+
+
+def test_by_priority_the_queue_admits_the_lowest_value_first_then_by_arrival():
+    config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=1, k_max=0, scheduling_policy="priority")
+    sim = Sim(config, CacheGeometry(1000, 4), None)
+    seqs = [make_seq(i, prompt_of(i, 5), 3, priority=p) for i, p in enumerate((2, 1, 2, 0, 1))]
+    out = sim.run([(0, s) for s in seqs])
+    assert [s.seq_id for s in sim.admitted] == [3, 1, 4, 0, 2]
+    assert all(out[s.seq_id] == s.tokens[:5] + reference_continuation(s.tokens[:5], 3) for s in seqs)
+    fcfs = Sim(dataclasses.replace(config, scheduling_policy="fcfs"), CacheGeometry(1000, 4), None)
+    fcfs.run([(0, make_seq(i, prompt_of(i, 5), 3, priority=p)) for i, p in enumerate((2, 1, 2, 0, 1))])
+    assert [s.seq_id for s in fcfs.admitted] == [0, 1, 2, 3, 4], "first come, first served ignores priority"
+
+
+def test_a_higher_priority_arrival_preempts_the_lowest_running_and_everyone_still_ends_exactly():
+    # block_size 1, lookahead 1: a sequence of n tokens reserves n + 1 blocks; room for two of 6 + 6
+    sim = Sim(PRIORITY, CacheGeometry(14, 1), None)
+    low, lower = make_seq(1, prompt_of(1, 4), 6, priority=1), make_seq(2, prompt_of(2, 4), 6, priority=2)
+    urgent, peer = make_seq(3, prompt_of(3, 4), 3, priority=0), make_seq(4, prompt_of(4, 4), 3, priority=1)
+    sim.scheduler.add(low)
+    sim.scheduler.add(lower)
+    sim.step()
+    assert sim.scheduler.running == [low, lower]
+    sim.scheduler.add(peer)  # no room, and nobody below its priority but `lower`: it takes lower's place
+    plan = sim.step()
+    assert plan.preempted == [lower] and peer in sim.scheduler.running and low in sim.scheduler.running
+    sim.scheduler.add(urgent)
+    plan = sim.step()
+    assert low not in plan.preempted or peer not in plan.preempted, "only as many as it needs"
+    assert urgent in sim.scheduler.running and sim.scheduler.waiting[-1] is lower, "the lowest waits longest"
+    out = sim.run([])
+    for s in (low, lower, urgent, peer):
+        prompt = prompt_of(s.seq_id, s.num_prompt)
+        assert out[s.seq_id] == prompt + reference_continuation(prompt, s.request.max_tokens)
+
+
+def test_equal_priority_never_preempts_to_be_admitted():
+    sim = Sim(PRIORITY, CacheGeometry(14, 1), None)
+    first, second, third = (make_seq(i, prompt_of(i, 4), 6, priority=1) for i in range(3))
+    for s in (first, second):
+        sim.scheduler.add(s)
+    sim.step()
+    sim.scheduler.add(third)
+    plan = sim.step()
+    assert not plan.preempted and list(sim.scheduler.waiting) == [third]
+
+
+def test_growth_preempts_the_lowest_priority_not_the_newest():
+    sched = Scheduler(PRIORITY, CacheGeometry(20, 1), None)
+    seqs = [make_seq(i, prompt_of(i, 3), 10, priority=p) for i, p in enumerate((3, 0, 2, 1))]
+    for s in seqs:  # admitted one by one: running in arrival order, not by rank
+        sched.add(s)
+        sched.schedule(all_k_max(PRIORITY))
+    assert sched.running == seqs
+    for s in seqs:  # grown to 6 tokens: 7 blocks each, 28 > 20
+        s.tokens += [1, 2, 3]
+        s.target_cached = 5
+    plan = sched.schedule(all_k_max(PRIORITY))
+    assert plan.preempted == [seqs[0], seqs[2]] and list(sched.waiting) == [seqs[2], seqs[0]]
+
+
+def test_by_priority_the_budget_goes_to_the_higher_prompt_first():
+    config = dataclasses.replace(PRIORITY, max_num_batched_tokens=16)
+    sched = Scheduler(config, CacheGeometry(1000, 4), None)
+    low, high = make_seq(1, prompt_of(1, 40), 4, priority=1), make_seq(2, prompt_of(2, 40), 4, priority=0)
+    sched.add(low)
+    sched.add(high)
+    sched.running = [low, high]  # (as if both had been admitted, low first)
+    for seq in (low, high):
+        seq.status = SeqStatus.RUNNING
+    sched.waiting.clear()
+    plan = sched.schedule(all_k_max(config))
+    assert [(c.seq, c.end - c.start) for c in plan.chunks] == [(high, 16)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads, priorities=st.lists(st.integers(0, 2), min_size=8, max_size=8))
+def test_by_priority_any_workload_keeps_invariants_rank_order_and_the_reference_output(w, priorities):
+    """Whatever the priorities: the step invariants, every sequence ends exactly as plain greedy
+    decoding, and every step admits only sequences that rank ahead of all it leaves waiting."""
+    config = RouterConfig(max_num_batched_tokens=w["budget"], max_num_seqs=min(w["max_num_seqs"], w["budget"]),
+                          k_max=w["k_max"], chunked_prefill=w["chunked"], scheduling_policy="priority")
+    bs, la = w["block_size"], w["k_max"] + 1
+    longest = max(p + m for _, p, m in w["requests"])
+    target = CacheGeometry(-(-(longest + la) // bs) + w["slack_t"], bs)
+    draft = CacheGeometry(-(-(longest + 2 * la) // bs) + w["slack_d"], bs) if w["with_draft"] else None
+    sim = Sim(config, target, draft, wild_ks if w["wild_k"] else None)
+    out = sim.run([(at, make_seq(i, prompt_of(i, p), m, priorities[i])) for i, (at, p, m) in enumerate(w["requests"])])
+    for i, (_, p, m) in enumerate(w["requests"]):
+        prompt = prompt_of(i, p)
+        assert out[i] == prompt + reference_continuation(prompt, m)
+    for admitted, left in sim.rounds:
+        if admitted and left:
+            assert max(map(Scheduler.rank, admitted)) < min(map(Scheduler.rank, left))

@@ -84,6 +84,7 @@ class _Common(OpenAIBody):
     return_token_ids: StrictBool = False  # extension: each choice also carries the generated token ids
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens in the output text
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended it stays in the text
+    priority: StrictInt = 0  # vLLM's: with --scheduling-policy priority, lower is served first
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's: keep the prompt's last k tokens (-1: what fits)
     tandem_metrics: StrictBool = False  # extension: usage.tandem_metrics, this request's figures (request_stats)
     presence_penalty: StrictFloat | StrictInt | None = None
@@ -135,7 +136,7 @@ class _Common(OpenAIBody):
                        stop=tuple(stop), logprobs=logprobs, max_speculative_tokens=self.max_speculative_tokens,
                        ignore_eos=self.ignore_eos, tandem_metrics=self.tandem_metrics, n=self.n,
                        constraint=constraint, skip_special_tokens=self.skip_special_tokens,
-                       include_stop_str_in_output=self.include_stop_str_in_output)
+                       include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority)
 
     def _bias(self) -> tuple[tuple[int, float], ...] | None:
         if not self.logit_bias:
