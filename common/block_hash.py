@@ -19,6 +19,14 @@ from collections.abc import Sequence
 ROOT = 0  # the parent of a sequence's first block
 
 
+def adapter_root(adapter: str) -> int:
+    """The parent of the first block of a sequence served with a LoRA adapter ("": the base model,
+    ROOT): the same tokens give other KV under another adapter, so their blocks hash apart."""
+    if not adapter:
+        return ROOT
+    return int.from_bytes(hashlib.blake2b(b"lora\0" + adapter.encode(), digest_size=8).digest(), "little")
+
+
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
     """A stable 64-bit hash of (parent hash, the block's token ids); the same on every machine."""
     h = hashlib.blake2b(struct.pack(f"<Q{len(tokens)}i", parent, *tokens), digest_size=8)

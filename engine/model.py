@@ -19,6 +19,7 @@ from engine.attention import AttentionBackend, BatchLayout
 from engine.config import ModelConfig, RopeConfig
 from engine.kv_cache import PagedKVCache
 from engine.linear import Linear
+from engine.lora import LoraBatch
 from engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 
@@ -33,6 +34,7 @@ class ForwardContext:
     plan: object  # backend.plan(layout)
     kv_cache: PagedKVCache
     logits_indices: torch.Tensor | None  # [N] flat tokens whose logits are returned (forward() only)
+    lora: LoraBatch | None = None  # the batch's LoRA adapters and their tokens (engine/lora.py); None: base only
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -114,6 +116,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, angles: Angles, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q | k | v]: q and k are rotated together, one pass
+        if ctx.lora is not None:
+            qkv = ctx.lora.add(self.layer, "qkv", x, qkv)
         qk_size, heads = self.q_size + self.kv_size, self.num_heads + self.num_kv_heads
         qk = qkv[:, :qk_size].view(-1, heads, self.head_dim)
         if self.q_norm is not None:
@@ -123,19 +127,23 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.write(self.layer, k, v, ctx.slot_mapping)
         out = ctx.backend.attend(q, ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer], ctx.plan)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        return self.o_proj(out) if ctx.lora is None else ctx.lora.add(self.layer, "o", out, self.o_proj(out))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.layer = layer
         self.intermediate = cfg.intermediate_size // tp.size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x) if lora is None else lora.add(self.layer, "gate_up", x, self.gate_up_proj(x))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        h = nn.functional.silu(gate) * up
+        return self.down_proj(h) if lora is None else lora.add(self.layer, "down", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -144,11 +152,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, layer, tp)
 
     def forward(self, x: torch.Tensor, angles: Angles, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), angles, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), ctx.lora)
 
 
 class DecoderModel(nn.Module):

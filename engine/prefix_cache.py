@@ -26,6 +26,13 @@ class PrefixCache:
         self.blocks = blocks
         self._tokens: dict[int, list[int]] = {}  # per sequence, position -> token id
         self._chain: dict[int, list[int]] = {}  # hashes of its leading final full blocks
+        self._roots: dict[int, int] = {}  # the parent of its first block, where not ROOT (a LoRA adapter's)
+
+    def set_root(self, seq_id: int, root: int) -> None:
+        if root == ROOT:
+            self._roots.pop(seq_id, None)
+        else:
+            self._roots[seq_id] = root
 
     def holds(self, hashes: Sequence[int]) -> bool:
         return self.blocks.cached_prefix(hashes) == len(hashes)
@@ -46,10 +53,12 @@ class PrefixCache:
     def fork(self, parent: int, child: int, length: int) -> None:
         self._tokens[child] = self._tokens.get(parent, [])[:length]
         self._chain[child] = self._chain.get(parent, [])[:length // self.blocks.block_size]
+        self.set_root(child, self._roots.get(parent, ROOT))
 
     def free(self, seq_id: int) -> None:
         self._tokens.pop(seq_id, None)
         self._chain.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
 
     def commit(self, seq_id: int, length: int) -> None:
         """Positions < length of seq_id are final: publish the full blocks below length."""
@@ -60,5 +69,5 @@ class PrefixCache:
             block = tokens[i * bs:(i + 1) * bs]
             if UNKNOWN in block:  # a trim into an attached block left ids we never saw: stop the chain
                 return
-            chain.append(block_hash(chain[-1] if chain else ROOT, block))
+            chain.append(block_hash(chain[-1] if chain else self._roots.get(seq_id, ROOT), block))
             self.blocks.publish(seq_id, i, chain[-1])

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
+from common.block_hash import adapter_root
 from engine.attention import BatchLayout, select_backend, uses_flash
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import GraphRunner
 from engine.kv_cache import BlockManager, PagedKVCache
 from engine.linear import calibrate
+from engine.lora import AdapterError, LoraAdapter, LoraBatch
 from engine.model import CausalLM, ForwardContext, ReducedHead
 from engine.parallel import SINGLE, TensorParallel, check_shardable
 from engine.prefix_cache import PrefixCache
@@ -38,6 +40,7 @@ class SeqInput:
     tokens: Sequence[int]
     num_logits: int = 1  # logits for the last num_logits tokens (0: none, a non-final prompt chunk)
     prefix: Sequence[int] = ()  # hashes of published blocks to start from (start_pos = their length)
+    adapter: str = ""  # the LoRA adapter its tokens run with (load_adapters); "": the base model
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class FlatBatch:
     start_positions: list[int]  # [B]
     query_lens: list[int]  # [B]
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy first
+    adapters: list[str] = field(default_factory=list)  # [B] each sequence's LoRA adapter; empty: none
 
 
 class CacheMiss(LookupError):
@@ -89,6 +93,15 @@ class ModelRunner:
                                       mc.sliding_window)
         self.forward_calls = 0  # counted so tests can prove batching (k forwards, not n * k)
         self.graphs: GraphRunner | None = None  # CUDA graphs for decode/verify steps (use_graphs)
+        self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters by name (load_adapters)
+
+    def load_adapters(self, paths: dict[str, Path]) -> None:
+        """LoRA adapters (PEFT directories) sequences may name; they change no base weight."""
+        if paths and self.tp.size > 1:
+            raise AdapterError("LoRA adapters are served with one tensor-parallel rank only")
+        for name, path in paths.items():
+            self.adapters[name] = LoraAdapter.load(name, path, self.model_config, self.device, self.dtype)
+            log.info("LoRA adapter %r from %s: rank %d", name, path, self.adapters[name].rank)
 
     def use_graphs(self, capture: bool = True) -> None:
         """Run decode/verify steps through fixed-shape graphs; capture=False runs the same padded
@@ -179,6 +192,8 @@ class ModelRunner:
                                    f"{x.start_pos} + {len(x.tokens)} tokens exceeds max_model_len {self.max_model_len}")
             if min(x.tokens) < 0 or max(x.tokens) >= vocab:
                 raise InvalidInput(f"{where}.tokens", f"token id outside [0, {vocab})")
+            if x.adapter and x.adapter not in self.adapters:
+                raise InvalidInput(f"{where}.lora", f"no LoRA adapter {x.adapter!r} is loaded")
             if x.prefix and x.start_pos != len(x.prefix) * self.config.block_size:
                 raise InvalidInput(f"{where}.prefix_block_hashes", f"{len(x.prefix)} blocks of "
                                    f"{self.config.block_size} tokens must end at start_pos {x.start_pos}")
@@ -217,6 +232,8 @@ class ModelRunner:
         for x in inputs:
             if x.prefix:
                 self.prefix.attach(x.seq_id, x.prefix)
+            if self.adapters:
+                self.prefix.set_root(x.seq_id, adapter_root(x.adapter))
         for x in inputs:
             self.trim(x.seq_id, x.start_pos)
         for x in inputs:
@@ -229,7 +246,8 @@ class ModelRunner:
         tables = [self.blocks.block_table(x.seq_id) for x in inputs]
         width = max(len(t) for t in tables)
         return FlatBatch(ids, positions, slots, logits_indices, [t + [0] * (width - len(t)) for t in tables],
-                         [x.start_pos for x in inputs], [len(x.tokens) for x in inputs], self.blocks.take_copies())
+                         [x.start_pos for x in inputs], [len(x.tokens) for x in inputs], self.blocks.take_copies(),
+                         [x.adapter for x in inputs] if any(x.adapter for x in inputs) else [])
 
     @property
     def head_ids(self) -> torch.Tensor | None:
@@ -246,7 +264,7 @@ class ModelRunner:
         """Run the model over a flattened batch: logits on the leader, an empty tensor on followers."""
         for src, dst in batch.copies:  # copy-on-write: before the forward writes into dst
             self.kv_cache.copy_block(src, dst)
-        if self.graphs is not None and (shape := self.graphs.shape_for(batch)) is not None:
+        if self.graphs is not None and not batch.adapters and (shape := self.graphs.shape_for(batch)) is not None:
             self.forward_calls += 1
             return self.graphs.run(batch, shape, narrow)
         dev = self.device
@@ -259,7 +277,9 @@ class ModelRunner:
                             dtype=torch.long, device=dev)
         input_ids, positions, slots, logits_indices = flat.split([t, t, t, n])
         ctx = ForwardContext(positions=positions, slot_mapping=slots, layout=layout, backend=self.backend,
-                             plan=self.backend.plan(layout), kv_cache=self.kv_cache, logits_indices=logits_indices)
+                             plan=self.backend.plan(layout), kv_cache=self.kv_cache, logits_indices=logits_indices,
+                             lora=LoraBatch.of(batch.adapters, batch.query_lens, self.adapters, dev)
+                             if batch.adapters else None)
         self.forward_calls += 1
         hidden = self.model.hidden_states(input_ids, ctx)
         if not self.tp.leader:
