@@ -57,6 +57,7 @@ class Request:
     include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token) that ends it stays in
     n: int = 1  # choices: n sequences from one prompt, computed once
     priority: int = 0  # with --scheduling-policy priority: lower is served first (vLLM's convention)
+    lora: str = ""  # the LoRA adapter the target runs it with (a model name /v1/models lists); "": the base
     constraint: Constraint | None = None  # structured output, as the door read it
     grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)
     # A reasoning model's think-end token: the constraint holds from the token after it (the model

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from opentelemetry.context import Context
 
-from common.protocol import MAX_LOGPROBS
 from common.sampling import SamplingParams
 from common.tokenizer import tokenizer_fingerprint
 from router.codec import TextCodec
@@ -29,7 +28,6 @@ from router.core import (
     FinishReason,
     Overloaded,
     Request,
-    RequestError,
     SeqStatus,
     Sequence,
     ServiceUnavailable,
@@ -40,12 +38,12 @@ from router.lanes import Lane, choose_lane
 from router.metrics import Metrics
 from router.output import OutputBuilder
 from router.replicas import Replicas
+from router.request_checks import check_request
 from router.request_stats import about
 from router.structured import Grammars
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-MAX_CHOICES = 16  # n per request
 
 
 class RequestStream:
@@ -124,6 +122,15 @@ class RouterEngine:
         return self.replicas.target_info
 
     @property
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters every target replica serves (its --lora-modules), by name."""
+        return list(self.target_info.lora_adapters) if self.target_info else []
+
+    def model_lora(self, model: str, served: str) -> str | None:
+        """The adapter a request's model names: "" for the served model itself, None for no model served here."""
+        return "" if model == served else model if model in self.lora_adapters else None
+
+    @property
     def ready(self) -> bool:
         return any(lane.up and lane.task is not None and not lane.task.done() for lane in self.lanes.values())
 
@@ -149,38 +156,8 @@ class RouterEngine:
         """RequestError naming the first bad field; else the number of tokens the request may generate."""
         info = self.target_info
         assert info is not None and self.lanes, "engine not started"
-        n, limit = len(req.prompt_ids), self.max_model_len
-        if not n:
-            raise RequestError("prompt", "must not be empty")
-        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= info.vocab_size:
-            raise RequestError("prompt", f"token ids must be in [0, {info.vocab_size})")
-        if n >= limit:
-            raise RequestError("prompt", f"{n} tokens leave no room to generate within max_model_len {limit}")
-        if req.max_tokens is not None:
-            if req.max_tokens < (0 if req.prompt_logprobs is not None else 1):  # 0: the prompt's logprobs alone
-                raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
-            if n + req.max_tokens > limit:
-                raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds "
-                                                 f"max_model_len {limit}")
-        req.sampling.check()
-        if req.priority and self.config.scheduling_policy != "priority":
-            raise RequestError("priority", "the router serves first come, first served (start it with "
-                                           "--scheduling-policy priority)")
-        if any(not s for s in req.stop):
-            raise RequestError("stop", "stop strings must not be empty")
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
-        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
-            raise RequestError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
-        if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
-            raise RequestError("max_speculative_tokens", "must be >= 0")
-        ids = [t for t, _ in req.sampling.logit_bias] + list(req.sampling.stop_token_ids)
-        if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
-            raise RequestError("logit_bias" if req.sampling.logit_bias else "stop_token_ids",
-                               f"token ids must be in [0, {info.vocab_size})")
-        if not 1 <= req.n <= MAX_CHOICES:
-            raise RequestError("n", f"must be in [1, {MAX_CHOICES}], got {req.n}")
-        return req.max_tokens if req.max_tokens is not None else limit - n
+        return check_request(req, info.vocab_size, self.max_model_len, self.config.scheduling_policy,
+                             self.lora_adapters)
 
     @property
     def grammars(self) -> Grammars:

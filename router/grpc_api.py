@@ -37,12 +37,16 @@ def _status(err: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, engine: RouterEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: RouterEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
 
     async def _request(self, msg: generate_pb2.GenerateRequest) -> Request:
         if sum(map(bool, (msg.prompt, msg.prompt_token_ids, msg.messages))) > 1:
             raise RequestError("prompt", "give one of prompt, prompt_token_ids and messages")
+        lora = self.engine.model_lora(msg.model or self.model_name, self.model_name)
+        if lora is None:
+            raise RequestError("model", f"{msg.model!r} is neither the served model {self.model_name!r} nor one "
+                                        f"of its LoRA adapters {self.engine.lora_adapters}")
         ids = list(msg.prompt_token_ids) if msg.prompt_token_ids else \
             await self._chat(msg.messages) if msg.messages else await self.engine.encode(msg.prompt)
         sampling = self.engine.sampling_defaults.updated(**SamplingParams.given_in(msg.sampling))
@@ -53,7 +57,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             max_speculative_tokens=msg.max_speculative_tokens if msg.HasField("max_speculative_tokens") else None,
             ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics, constraint=_constraint(msg),
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-            include_stop_str_in_output=msg.include_stop_str_in_output, priority=msg.priority,
+            include_stop_str_in_output=msg.include_stop_str_in_output, priority=msg.priority, lora=lora,
         )
 
     async def _chat(self, messages: list[generate_pb2.ChatMessage]) -> list[int]:
@@ -150,9 +154,9 @@ def _parse_request(raw: bytes) -> generate_pb2.GenerateRequest | Undecodable:
         return Undecodable(str(err))
 
 
-def register(server: grpc.aio.Server, engine: RouterEngine) -> None:
+def register(server: grpc.aio.Server, engine: RouterEngine, model_name: str) -> None:
     """generate_pb2_grpc.add_GenerateServicer_to_server's handlers, parsing with _parse_request."""
-    servicer, respond = GenerateServicer(engine), generate_pb2.GenerateResponse.SerializeToString
+    servicer, respond = GenerateServicer(engine, model_name), generate_pb2.GenerateResponse.SerializeToString
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, _parse_request, respond),
         "GenerateUnary": grpc.unary_unary_rpc_method_handler(servicer.GenerateUnary, _parse_request, respond),

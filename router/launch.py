@@ -5,6 +5,7 @@
     tandem serve models/smollm2 --no-draft          # no draft service: prompt-lookup speculation only
     tandem serve models/smollm2 --no-draft --router-arg=--no-prompt-lookup   # plain decoding (k = 0)
     tandem serve QWEN_PAIR --tool-call-parser hermes --reasoning-parser qwen3  # tool_choice "auto", reasoning_content
+    tandem serve models/smollm2 --lora-modules sql=ADAPTER_DIR   # "model": "sql" answers with that LoRA adapter
     (python -m router.launch ... is the same command)
 
 Waits until the router answers /ready, prints how to call it, and on Ctrl-C (or SIGTERM) stops
@@ -60,6 +61,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="the model's tool-call format, for chat's tool_choice \"auto\" (the router's flag)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="where a reasoning model's thinking ends, for reasoning_content (the router's flag)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                   help="LoRA adapters (PEFT directories) the target serves, each a model name requests may ask "
+                        "for (the target's flag; the draft proposes with the base model)")
     p.add_argument("--service-arg", action="append", default=[], help="extra flag for both services (repeat)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeat)")
     return env_settable(p)
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -
     stack = Stack(target_dir, draft_dir, served_model_name=args.served_model_name or pair_name, host=args.host,
                   http_port=args.port, grpc_port=args.grpc_port, target_port=args.target_port,
                   draft_port=args.draft_port, service_args=args.service_arg,
+                  target_args=["--lora-modules", *args.lora_modules] if args.lora_modules else [],
                   router_args=[*_parsers(args), *args.router_arg])
     signal.signal(signal.SIGTERM, _interrupt)
     interrupted = False

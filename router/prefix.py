@@ -25,7 +25,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.block_hash import ROOT, chain_hashes
+from common.block_hash import ROOT, adapter_root, chain_hashes
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -46,18 +46,19 @@ class Attach:
 class SeqPrefix:
     """One sequence's prefix-caching state (on core.Sequence)."""
 
-    chains: dict[int, list[int]] = field(default_factory=dict)  # block size -> hashes of the history's full blocks
+    # (block size, root) -> hashes of the history's full blocks; the root is a LoRA adapter's at the target
+    chains: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     planned: bool = False  # looked up since its caches were last dropped
     target: Attach | None = None
     draft: Attach | None = None
     draft_committed: int = 0  # history tokens the draft was sent: it published their full blocks
     draft_dropped: bool = False  # the draft's cache of it was reset: its mirror must forget it
 
-    def chain(self, history: Seq[int], block_size: int) -> list[int]:
+    def chain(self, history: Seq[int], block_size: int, root: int = ROOT) -> list[int]:
         """The history only grows: its hashes are computed once, incrementally."""
-        chain = self.chains.setdefault(block_size, [])
+        chain = self.chains.setdefault((block_size, root), [])
         if len(history) // block_size > len(chain):
-            chain.extend(chain_hashes(history, block_size, chain[-1] if chain else ROOT, len(chain)))
+            chain.extend(chain_hashes(history, block_size, chain[-1] if chain else root, len(chain)))
         return chain
 
     def reset(self) -> None:
@@ -69,8 +70,9 @@ class PrefixMirror:
     """One service's prefix cache as the router believes it: hashes held by live sequences (counted),
     and those nobody holds, least recently released first."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, adapted: bool = False) -> None:
         self.block_size = block_size
+        self.adapted = adapted  # its service runs sequences' LoRA adapters: their blocks hash from the adapter's root
         self._refs: dict[int, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._held: dict[int, list[int]] = {}  # seq_id -> leading blocks of its history the service holds
@@ -131,7 +133,7 @@ class PrefixCaches:
     """One lane's prefix caching: a mirror per service, the attach decisions, the hit counters."""
 
     def __init__(self, target_block_size: int, queries: Counter, hits: Counter, misses: Counter) -> None:
-        self.target = PrefixMirror(target_block_size)
+        self.target = PrefixMirror(target_block_size, adapted=True)
         self.draft: PrefixMirror | None = None  # set once the draft is known to cache prefixes
         self._queries, self._hits, self._misses = queries, hits, misses
 
@@ -167,7 +169,7 @@ class PrefixCaches:
         if not attachable(seq):
             return Attach((), 0)
         # the last token is always computed: it yields the first token (the target) or the next draft
-        chain = seq.prefix.chain(seq.tokens, mirror.block_size)[:(len(seq.tokens) - 1) // mirror.block_size]
+        chain = _chain(seq, mirror)[:(len(seq.tokens) - 1) // mirror.block_size]
         n = mirror.match(chain)
         self._queries.labels(service=service).inc(len(seq.tokens))
         return Attach(tuple(chain[:n]), n * mirror.block_size)
@@ -220,7 +222,7 @@ class PrefixCaches:
         if n < mirror.holding(seq.seq_id):  # less than before: the service lost it
             mirror.drop(seq.seq_id)
         if n > mirror.holding(seq.seq_id):
-            mirror.hold(seq.seq_id, seq.prefix.chain(seq.tokens, mirror.block_size)[:n])
+            mirror.hold(seq.seq_id, _chain(seq, mirror)[:n])
 
     def release(self, seq: Sequence) -> None:
         """seq leaves the lane (finished, preempted, moved): its blocks stay cached at the services."""
@@ -237,3 +239,8 @@ class PrefixCaches:
         t = p.target.hashes if p.target and seq.target_cached >= p.target.tokens else ()
         d = p.draft.hashes if p.draft and not p.draft_dropped and seq.draft_cached >= p.draft.tokens else ()
         return t, d
+
+
+def _chain(seq: Sequence, mirror: PrefixMirror) -> list[int]:
+    """seq's block hashes as mirror's service computes them (the draft serves the base model for all)."""
+    return seq.prefix.chain(seq.tokens, mirror.block_size, adapter_root(seq.request.lora) if mirror.adapted else ROOT)

@@ -90,6 +90,10 @@ class Replicas:
         if self.target_info is not None and info.vocab_size != self.target_info.vocab_size:
             raise IncompatibleTarget(f"target {info.model_id!r} is a different model (vocab {info.vocab_size} "
                                      f"vs {self.target_info.vocab_size})")
+        if self.target_info is not None and set(info.lora_adapters) != set(self.target_info.lora_adapters):
+            raise IncompatibleTarget(f"target {info.model_id!r} serves LoRA adapters {sorted(info.lora_adapters)}, "
+                                     f"the others {sorted(self.target_info.lora_adapters)}: start every replica with "
+                                     "the same --lora-modules")
 
     def _start_lane(self, lane: Lane) -> None:
         if self.target_info is None:

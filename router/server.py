@@ -69,7 +69,7 @@ class RouterServer:
         e, sec = self.endpoints, self.security
         guard = sec.guard()
         self.grpc_server = grpc.aio.server(interceptors=[GrpcGuard(guard, [grpc_api.SERVICE_NAME])] if guard else [])
-        grpc_api.register(self.grpc_server, self.engine)
+        grpc_api.register(self.grpc_server, self.engine, e.model_name)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
         reflection.enable_server_reflection((grpc_api.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from common import aio
 from common.cli import env_settable
 from common.logs import setup_logging
 from common.tracing import tracing_from_args
 from engine.config import ModelConfig
+from engine.lora import AdapterError
 from engine.parallel import SINGLE, check_shardable
 from engine.runner import ModelRunner
 from engine.service import add_model_args, checked_engine_config, load_runner, model_thread, serve
@@ -33,6 +35,9 @@ def build_parser(prog: str = "python -m target_service") -> argparse.ArgumentPar
                         help="split the model over N ranks (N GPUs: cuda:0..N-1 with NCCL; on CPU, gloo). "
                              "This process is rank 0 and serves gRPC; it starts ranks 1..N-1 itself. "
                              "Heads, KV heads and intermediate_size must divide by N. --kv-cache-gib is per rank")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                        help="LoRA adapters (PEFT directories: adapter_config.json, adapter_model.safetensors) that "
+                             "requests may name as their model (vLLM's flag). One rank only")
     parser.add_argument("--fail-on-token", type=int, default=-1, help=argparse.SUPPRESS)  # fault injection (tests)
     return env_settable(parser)
 
@@ -42,10 +47,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
     args = parser.parse_args(argv)
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be >= 1")
+    adapters = _lora_modules(parser, args.lora_modules)
+    if adapters and args.tensor_parallel_size > 1:
+        parser.error("--lora-modules: LoRA adapters are served with one tensor-parallel rank only")
     transport = transport_from_args(args)  # unusable certificate files fail in seconds, not after the load
     thread = model_thread(args.threads)
     if args.tensor_parallel_size == 1:
         runner = load_runner(args, thread=thread)  # logs the model, KV capacity, backend, dtype and device
+        try:
+            runner.load_adapters(adapters)
+        except AdapterError as err:
+            parser.error(f"--lora-modules: {err}")
         return _serve(args, runner, transport, thread)
     try:
         check_shardable(ModelConfig.from_dir(args.model), args.tensor_parallel_size)
@@ -61,6 +73,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
         return _serve(args, runner, transport, thread)
     finally:
         followers.stop(runner)
+
+
+def _lora_modules(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str, Path]:
+    """NAME=DIR pairs: distinct names, existing directories."""
+    adapters: dict[str, Path] = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not name or not path or name in adapters:
+            parser.error(f"--lora-modules: {spec!r} is not NAME=DIR with a name of its own")
+        if not Path(path).is_dir():
+            parser.error(f"--lora-modules: {path} is no directory")
+        adapters[name] = Path(path)
+    return adapters
 
 
 def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport, thread: ThreadPoolExecutor) -> int:

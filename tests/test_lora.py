@@ -5,14 +5,21 @@ base checkpoint (W + scale * B @ A, what PEFT's merge_and_unload writes), run by
   base model, both in one batch; an adapter's blocks never pass for the base model's in the prefix cache
 - an adapter directory Tandem cannot serve is refused at load, saying why; a step naming an adapter
   that is not loaded is refused
+- through the stack (the draft serves the base model for every request, so speculation is verified
+  against the adapter): a request naming an adapter as its model gets the merged model's greedy
+  answer, concurrent requests of several adapters and the base each get their own; /v1/models lists
+  the adapters; a prompt cached under one model is never attached under another
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import shutil
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,7 +28,10 @@ from common.block_hash import ROOT, adapter_root, chain_hashes
 from engine.config import EngineConfig
 from engine.lora import AdapterError
 from engine.runner import InvalidInput, ModelRunner, SeqInput
+from router.config import RouterConfig
+from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.conftest import hf_greedy, hf_logits
+from tests.stack import complete, start_draft, start_router, start_target
 
 RANK, ALPHA = 4, 8.0
 TRAINED = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")  # not k_proj, up_proj: parts left out
@@ -135,3 +145,57 @@ def _edit_tensors(d: Path, old: str, new: str, only: str = "") -> None:
     tensors = load_file(str(d / "adapter_model.safetensors"))
     save_file({(k.replace(old, new) if only in k else k): v for k, v in tensors.items()},
               str(d / "adapter_model.safetensors"))
+
+
+# ---- through the stack -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stack(model_pair, adapters):
+    target, _ = start_target(model_pair[0], adapters=adapters)
+    draft, _ = start_draft(model_pair[1])
+    router = start_router(RouterConfig(max_num_batched_tokens=64, max_num_seqs=16), target.address, draft.address,
+                          model_pair[0])
+    yield router
+    router.stop(), target.stop(), draft.stop()
+
+
+PROMPTS = [[5, 17, 33, 8, 90, 41, 12, 7, 66] * 3, [9, 8, 7, 6, 5, 4, 3, 2], [44, 45, 46, 47] * 6]
+
+
+def test_a_request_naming_an_adapter_gets_the_merged_models_answer_beside_others(stack, model_pair, adapters):
+    asked = [(p, m) for p in PROMPTS for m in ("tiny", "sql", "poet")]
+    with cf.ThreadPoolExecutor(len(asked)) as pool:
+        outs = list(pool.map(lambda pm: complete(stack.url, pm[0], 16, model=pm[1]), asked))
+    for (prompt, model), out in zip(asked, outs, strict=True):
+        ref = model_pair[0] if model == "tiny" else adapters[model] / "merged"
+        assert out["choices"][0]["token_ids"] == hf_greedy(ref, prompt, 16), model
+        assert out["model"] == model
+    listed = httpx.get(f"{stack.url}/v1/models").json()["data"]
+    assert [(m["id"], m["parent"]) for m in listed] == [("tiny", None), ("poet", "tiny"), ("sql", "tiny")]
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "prose", "prompt": [5], "max_tokens": 2})
+    assert r.status_code == 404 and "'sql'" in r.json()["error"]["message"]
+
+
+def test_a_prompt_cached_under_one_model_is_attached_only_under_that_model(stack, model_pair, adapters):
+    prompt = [(11 * i) % 300 + 2 for i in range(70)]  # four full blocks of 16
+    base = complete(stack.url, prompt, 4)
+    assert complete(stack.url, prompt, 4)["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    first = complete(stack.url, prompt, 4, model="sql")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "the base model's KV is not the adapter's"
+    again = complete(stack.url, prompt, 4, model="sql")
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    want = hf_greedy(adapters["sql"] / "merged", prompt, 4)
+    assert first["choices"][0]["token_ids"] == again["choices"][0]["token_ids"] == want
+    assert base["choices"][0]["token_ids"] == hf_greedy(model_pair[0], prompt, 4)
+
+
+def test_grpc_names_the_adapter_as_its_model(stack, adapters):
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        one = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=PROMPTS[1], max_tokens=8, model="poet",
+                                                              ignore_eos=True,
+                                                              sampling=common_pb2.SamplingParams(temperature=0.0)),
+                                 timeout=60)
+        assert list(one.token_ids) == hf_greedy(adapters["poet"] / "merged", PROMPTS[1], 8)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=[5], model="prose"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prose" in err.value.details()

@@ -62,14 +62,19 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error(400, f"{loc or 'body'}: {first.get('msg')}", loc or None)
 
+    def adapted(req: CoreRequest, model: str) -> CoreRequest:
+        """The request as the model it names runs it: a LoRA adapter's name, that adapter."""
+        return dataclasses.replace(req, lora=engine.model_lora(model, model_name) or "")
+
     async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raw = await read_body(request, engine.config.max_body_bytes)
         if len(raw) > PARSE_OFF_LOOP_BYTES:
             body = await asyncio.get_running_loop().run_in_executor(None, parse_json, raw, model)
         else:
             body = parse_json(raw, model)
-        if body.model != model_name:
-            raise Refusal(error(404, f"model {body.model!r} not found; this server serves {model_name!r}",
+        if engine.model_lora(body.model, model_name) is None:
+            served = ", ".join(repr(m) for m in [model_name, *engine.lora_adapters])
+            raise Refusal(error(404, f"model {body.model!r} not found; this server serves {served}",
                                 "model", "not_found_error"))
         if not engine.ready:
             raise Refusal(error(503, "not ready: the target service is unavailable", kind="unavailable"))
@@ -82,12 +87,12 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             request_id = f"cmpl-{uuid.uuid4().hex}"
             prompts = body.prompts()
             cut = body.truncate_prompt_tokens is not None
-            reqs = [body.to_request(request_id, body.truncated(
+            reqs = [adapted(body.to_request(request_id, body.truncated(
                 await engine.encode(p, truncating=cut) if isinstance(p, str) else p, engine.max_model_len),
-                engine.sampling_defaults) for p in prompts]
+                engine.sampling_defaults), body.model) for p in prompts]
             echo = [(p if isinstance(p, str) and not cut else await engine.codec.decode(r.prompt_ids), r.prompt_ids)
                     for p, r in zip(prompts, reqs, strict=True)] if body.echo else None
-            fmt = CompletionFormat(engine.codec.decode_one, model_name, reqs[0], body.return_token_ids, echo=echo)
+            fmt = CompletionFormat(engine.codec.decode_one, body.model, reqs[0], body.return_token_ids, echo=echo)
             return await respond(request, body, engine.submit(reqs[0]) if len(reqs) == 1 else engine.submit_all(reqs),
                                  fmt)
         except Refusal as e:
@@ -100,7 +105,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         cut = body.truncate_prompt_tokens is not None
         ids = body.truncated(await engine.encode_chat(body.conversation(), body.template_options(), cut),
                              engine.max_model_len)
-        req = body.to_request(request_id, ids, engine.sampling_defaults, calling)
+        req = adapted(body.to_request(request_id, ids, engine.sampling_defaults, calling), body.model)
         reasoning = engine.config.reasoning_parser
         if reasoning is not None and req.constraint is not None:
             # a reasoning model thinks, then answers as the constraint says: it holds after the think-end token
@@ -110,7 +115,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False
             req = dataclasses.replace(req, grammar_opens_after=end) if thinking and end is not None else req
             reasoning = reasoning if req.grammar_opens_after is not None else None
-        return req, ChatFormat(engine.codec.decode_one, model_name, req, body.return_token_ids, tools=calling,
+        return req, ChatFormat(engine.codec.decode_one, body.model, req, body.return_token_ids, tools=calling,
                                reasoning=Reasoning.named(reasoning) if reasoning else None)
 
     @app.post("/v1/chat/completions")
@@ -131,7 +136,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         try:
             body = await parse(request, ResponsesBody)
             req, chat = await chat_request(body.chat(), f"resp-{uuid.uuid4().hex}")
-            return await respond(request, body, engine.submit(req), ResponsesFormat(chat, body, model_name))
+            return await respond(request, body, engine.submit(req), ResponsesFormat(chat, body, body.model))
         except Refusal as e:
             return e.response
         except (RequestError, Overloaded, ServiceUnavailable) as e:
@@ -144,8 +149,8 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         try:
             body = await parse(request, MessagesBody)
             req, chat = await chat_request(body.chat(), f"msg-{uuid.uuid4().hex}")
-            return anthropic_error(await respond(request, body, engine.submit(req), MessagesFormat(chat, body,
-                                                                                                   model_name)))
+            fmt = MessagesFormat(chat, body, body.model)
+            return anthropic_error(await respond(request, body, engine.submit(req), fmt))
         except Refusal as e:
             return anthropic_error(e.response)
         except (RequestError, Overloaded, ServiceUnavailable) as e:
@@ -235,9 +240,12 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "tandem",
-                                            "max_model_len": engine.max_model_len if engine.lanes else None}]}
+        """The served model, then its LoRA adapters (parent: the served model), as vLLM lists them."""
+        created, max_len = int(time.time()), engine.max_model_len if engine.lanes else None
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem",
+                                            "root": model_name, "parent": None if name == model_name else model_name,
+                                            "max_model_len": max_len}
+                                           for name in [model_name, *engine.lora_adapters]]}
 
     @app.get("/health")
     async def health() -> dict:

@@ -1,0 +1,48 @@
+"""What a request may ask, checked once before it is queued: every refusal names its field."""
+
+from __future__ import annotations
+
+from common.protocol import MAX_LOGPROBS
+from router.core import Request, RequestError
+
+MAX_CHOICES = 16  # n per request
+
+
+def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapters: list[str]) -> int:
+    """RequestError naming the first bad field; else the number of tokens the request may generate.
+    limit: the longest sequence served; policy: the router's scheduling policy; adapters: the LoRA
+    adapters the targets serve."""
+    n = len(req.prompt_ids)
+    if not n:
+        raise RequestError("prompt", "must not be empty")
+    if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab_size:
+        raise RequestError("prompt", f"token ids must be in [0, {vocab_size})")
+    if n >= limit:
+        raise RequestError("prompt", f"{n} tokens leave no room to generate within max_model_len {limit}")
+    if req.max_tokens is not None:
+        if req.max_tokens < (0 if req.prompt_logprobs is not None else 1):  # 0: the prompt's logprobs alone
+            raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
+        if n + req.max_tokens > limit:
+            raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds "
+                                             f"max_model_len {limit}")
+    req.sampling.check()
+    if req.lora and req.lora not in adapters:
+        raise RequestError("model", f"no LoRA adapter {req.lora!r} is served")
+    if req.priority and policy != "priority":
+        raise RequestError("priority", "the router serves first come, first served (start it with "
+                                       "--scheduling-policy priority)")
+    if any(not s for s in req.stop):
+        raise RequestError("stop", "stop strings must not be empty")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise RequestError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
+        raise RequestError("max_speculative_tokens", "must be >= 0")
+    ids = [t for t, _ in req.sampling.logit_bias] + list(req.sampling.stop_token_ids)
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise RequestError("logit_bias" if req.sampling.logit_bias else "stop_token_ids",
+                           f"token ids must be in [0, {vocab_size})")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise RequestError("n", f"must be in [1, {MAX_CHOICES}], got {req.n}")
+    return req.max_tokens if req.max_tokens is not None else limit - n
