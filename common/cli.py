@@ -43,6 +43,8 @@ def env_settable(parser: argparse.ArgumentParser, environ: dict[str, str] | None
             action.default = (raw.lower() in _TRUE) == isinstance(action, argparse._StoreTrueAction)
         elif isinstance(action, argparse._AppendAction):
             action.default = [action.type(v) if action.type else v for v in raw.split(",") if v]
+        elif action.nargs in ("+", "*"):  # a list flag: its values separated by spaces, as on the command line
+            action.default = [action.type(v) if action.type else v for v in raw.split()]
         else:
             try:
                 action.default = action.type(raw) if action.type else raw

@@ -44,6 +44,14 @@ def test_a_bad_environment_value_is_refused_like_a_bad_flag(environ, capsys):
     assert exit_.value.code == 2 and next(iter(environ)) in capsys.readouterr().err
 
 
+def test_a_list_flag_takes_space_separated_values_from_the_environment():
+    from target_service.__main__ import build_parser as target_parser
+
+    parser = env_settable(target_parser(), {"TANDEM_LORA_MODULES": "sql=/a/sql  poet=/a/poet"})
+    assert parser.parse_args(["--model", "m"]).lora_modules == ["sql=/a/sql", "poet=/a/poet"]
+    assert parser.parse_args(["--model", "m", "--lora-modules", "x=/x"]).lora_modules == ["x=/x"]
+
+
 def test_help_names_the_variable():
     assert "TANDEM_MAX_NUM_BATCHED_TOKENS" in router_parser().format_help()
 
