@@ -83,3 +83,15 @@ def test_pip_install_builds_the_grpc_stubs(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"tandem/v1/target_pb2.py", "tandem/v1/draft_pb2_grpc.py", "tandem/v1/generate_pb2.py"} <= names
     assert any(n.endswith("entry_points.txt") for n in names)
+
+
+def test_lora_modules_are_checked_before_anything_loads(tmp_path, capsys):
+    from target_service.__main__ import main as target_main
+
+    ok = f"a={tmp_path}"
+    for argv, says in ((["--lora-modules", "sql"], "NAME=DIR"), (["--lora-modules", f"{ok}/none"], "no directory"),
+                       (["--lora-modules", ok, ok], "a name of its own"),
+                       (["--lora-modules", ok, "--tensor-parallel-size", "2"], "one tensor-parallel rank")):
+        with pytest.raises(SystemExit) as exit_:
+            target_main(["--model", str(tmp_path), *argv])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err, argv
