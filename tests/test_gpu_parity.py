@@ -71,3 +71,21 @@ def test_engine_matches_transformers_on_cuda(model_dir, dtype, backend, eager, a
         assert agree >= (1.0 if dtype == "float32" else 0.95), f"seq {s}: top-1 agreement {agree:.3f}"
     if not eager:
         assert runner.graphs is not None and runner.graphs.runs >= 1
+
+
+def test_lora_adapters_on_cuda_match_the_merged_model(tmp_path):
+    """A batch mixing an adapter's sequence and the base model's on CUDA with graphs on (steps that name an
+    adapter run eagerly), against transformers on the merged checkpoint."""
+    from tests.test_lora import write_adapter
+
+    base = write_checkpoint(LlamaConfig(**SHAPE), tmp_path / "base", seed=2)
+    adapter = write_adapter(base, tmp_path / "sql", seed=0)
+    runner = ModelRunner.load(base, EngineConfig(num_blocks=64, block_size=16, device="cuda", dtype="float32",
+                                                 cuda_graph_max_batch=4, cuda_graph_max_query=5))
+    runner.load_adapters({"sql": adapter})
+    seqs = _seqs()
+    out = runner.forward([SeqInput(1, 0, seqs[2], len(seqs[2]), adapter="sql"),
+                          SeqInput(2, 0, seqs[4], len(seqs[4]))])
+    for logits, model, s in ((out[0], adapter / "merged", 2), (out[1], base, 4)):
+        ref = reference(model, {s: seqs[s]}, torch.float32)[s]
+        torch.testing.assert_close(logits, ref, atol=5e-4, rtol=0, msg=str(model))
