@@ -104,14 +104,18 @@ def stack(models_dir, tmp_path_factory):
     if os.environ.get("TANDEM_E2E_K8S") == "1":
         yield ClusterStack(models_dir)
         return
+    from tests.test_lora import write_adapter
+
     logs = tmp_path_factory.mktemp("logs")
+    adapter = write_adapter(models_dir / "target", tmp_path_factory.mktemp("lora") / "sql", seed=0)
     s = Stack(models_dir / "target", models_dir / "draft", served_model_name=models_dir.name,
               http_port=free_port(), grpc_port=free_port(), target_port=free_port(), draft_port=free_port(),
               log_dir=logs,
-              service_args=["--num-blocks", "512", "--threads", "1"],
+              service_args=["--num-blocks", "512", "--threads", "1"], target_args=["--lora-modules", f"sql={adapter}"],
               router_args=["--max-num-batched-tokens", "128", "--max-num-seqs", "32", "--draft-timeout", "2",
                            "--target-grace", "60", "--max-waiting", "512"])
     s.start(timeout=120)
+    s.lora = adapter  # a LoRA adapter the target serves as model "sql"; beside it, merged/: the reference
     yield s
     codes = s.stop()
     bad = {n: c for n, c in codes.items() if c != 0}

@@ -12,7 +12,7 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.e2e.conftest import auth_metadata, grpc_channel, http_client
+from tests.e2e.conftest import Reference, auth_metadata, grpc_channel, http_client
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n    print(", "# Copyright\n\"\"\"Utilities for parsing", "x = [",
@@ -330,3 +330,20 @@ def test_anthropic_messages_with_the_official_client(stack, client, model):
                                        tool_choice={"type": "tool", "name": "weather"})
     assert called.stop_reason == "tool_use" and called.content[0].name == "weather"
     assert isinstance(called.content[0].input["city"], str)
+
+
+def test_a_lora_adapter_named_as_the_model_answers_as_its_merged_checkpoint(stack, client, model, ref):
+    """The target started with --lora-modules sql=DIR: "model": "sql" gets transformers' greedy answer on
+    the adapter merged into the base checkpoint, the base model's requests their own, side by side."""
+    if not hasattr(stack, "lora"):
+        pytest.skip("the deployed stack serves no test adapter")
+    merged = Reference(stack.lora / "merged")
+    assert [m.id for m in client.models.list().data] == [model, "sql"]
+    prompts = [ref.encode(p) for p in PROMPTS[:4]]
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [(p, m, pool.submit(client.completions.create, model=m, prompt=p, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True}))
+                   for p in prompts for m in (model, "sql")]
+        for p, m, f in futures:
+            want = (merged if m == "sql" else ref).greedy(p, 16)
+            assert f.result().choices[0].token_ids == want, m
