@@ -75,12 +75,16 @@ def test_content_blocks_become_the_chat_messages_they_mean():
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
     ({"output_config": {"format": {"type": "xml"}}}, "output_config.format.type"),
+    ({"tools": TOOLS}, "tool_choice"),  # "auto" without the router's --tool-call-parser
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages.0.content.0.tool_use_id"),
 ])
 def test_what_tandem_does_not_do_names_its_field(fields, field):
     with pytest.raises(RequestError) as err:
         MessagesBody(**{"model": "m", "max_tokens": 5, "messages": HELLO, **fields}).chat()
     assert err.value.field == field
+    if field == "tool_choice":
+        assert '{"type": "any"}' in str(err.value), "the alternatives in this API's own terms"
+        assert MessagesBody(model="m", max_tokens=5, messages=HELLO, tools=TOOLS).chat(parser="hermes").tools
 
 
 @pytest.fixture(scope="module")
