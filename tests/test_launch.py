@@ -35,9 +35,12 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
     port = free_port()
     ports = [str(x) for x in free_ports(3)]
     err = (tmp_path / "stderr").open("w")
+    from tests.test_lora import write_adapter
+
+    adapter = write_adapter(target_dir, tmp_path / "sql", seed=0)
     proc = subprocess.Popen([sys.executable, "-m", "router.launch", str(pair), "--port", str(port),
                              "--grpc-port", ports[0], "--target-port", ports[1], "--draft-port", ports[2],
-                             "--tool-call-parser", "hermes"],
+                             "--tool-call-parser", "hermes", "--lora-modules", f"sql={adapter}"],
                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     try:
         out = ""
@@ -46,7 +49,8 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
             out += proc.stdout.readline()  # type: ignore[union-attr]
         assert "Tandem is ready" in out, Path(err.name).read_text()[-2000:]
         base = f"http://127.0.0.1:{port}"
-        assert [m["id"] for m in _get(f"{base}/v1/models")["data"]] == [pair.name], "named after the pair directory"
+        assert [m["id"] for m in _get(f"{base}/v1/models")["data"]] == [pair.name, "sql"], \
+            "named after the pair directory; the adapter --lora-modules gave the target"
         assert f'"model": "{pair.name}"' in out, "the printed examples work as printed"
         with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:  # noqa: S310 - loopback
             up = [line for line in r.read().decode().splitlines() if line.startswith("tandem:replica_up")]
