@@ -226,6 +226,8 @@ class RouterEngine:
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         if grammar:
             self.metrics.structured_requests.labels(kind=req.constraint.kind).inc()  # type: ignore[union-attr]
+        if req.lora:
+            self.metrics.lora_requests.labels(adapter=req.lora).inc()
         lane.wake.set()
         return seqs
 

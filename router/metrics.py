@@ -120,6 +120,8 @@ class Metrics:
                                         "first choice's prompt cache instead of prefilling", registry=r)
         self.structured_requests = Counter("tandem:structured_output_requests", "Requests with an output "
                                            "constraint", ["kind"], registry=r)
+        self.lora_requests = Counter("tandem:lora_requests", "Requests answered with a LoRA adapter, by its name",
+                                     ["adapter"], registry=r)
         self.grammar_mask_bytes = Counter("tandem:grammar_mask_bytes", "Bytes of grammar token masks sent to "
                                           "the target", registry=r)
         self.migrations = Counter("tandem:replica_migrations", "Sequences moved off a lost replica (recomputed "

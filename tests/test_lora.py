@@ -169,6 +169,9 @@ def test_a_request_naming_an_adapter_gets_the_merged_models_answer_beside_others
         ref = model_pair[0] if model == "tiny" else adapters[model] / "merged"
         assert out["choices"][0]["token_ids"] == hf_greedy(ref, prompt, 16), model
         assert out["model"] == model
+    counted = httpx.get(f"{stack.url}/metrics").text
+    for adapter in ("sql", "poet"):
+        assert f'tandem:lora_requests_total{{adapter="{adapter}"}} {float(len(PROMPTS))}' in counted, adapter
     listed = httpx.get(f"{stack.url}/v1/models").json()["data"]
     assert [(m["id"], m["parent"]) for m in listed] == [("tiny", None), ("poet", "tiny"), ("sql", "tiny")]
     r = httpx.post(f"{stack.url}/v1/completions", json={"model": "prose", "prompt": [5], "max_tokens": 2})
