@@ -31,10 +31,12 @@ _PARTS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_p
           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 
 
-def _part_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
+def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    """Each fused projection's input size and its parts' output sizes."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"qkv": [q, kv, kv], "o": [cfg.hidden_size], "gate_up": [cfg.intermediate_size] * 2,
-            "down": [cfg.hidden_size]}
+    return {"qkv": (cfg.hidden_size, [q, kv, kv]), "o": (q, [cfg.hidden_size]),
+            "gate_up": (cfg.hidden_size, [cfg.intermediate_size] * 2),
+            "down": (cfg.intermediate_size, [cfg.hidden_size])}
 
 
 class AdapterError(ValueError):
@@ -58,22 +60,25 @@ class LoraAdapter:
         except (OSError, ValueError) as err:
             raise AdapterError(f"adapter {name!r}: {path} is no PEFT LoRA adapter ({err})") from None
         if config.get("peft_type", "LORA") != "LORA" or config.get("fan_in_fan_out") or \
-                config.get("bias", "none") != "none" or config.get("use_dora"):
-            raise AdapterError(f"adapter {name!r}: only plain LoRA (no bias, DoRA or fan_in_fan_out) is served")
-        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+                config.get("bias", "none") != "none" or config.get("use_dora") or not isinstance(config.get("r"), int) \
+                or config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise AdapterError(f"adapter {name!r}: only plain LoRA of one rank r (no bias, DoRA, fan_in_fan_out or "
+                               "per-module ranks) is served")
+        rank, alpha = config["r"], float(config.get("lora_alpha", config["r"]))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         parts: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             layer, module, which = _parse_key(name, key)
+            if layer >= cfg.num_layers:
+                raise AdapterError(f"adapter {name!r}: {key} is for layer {layer}; the model has {cfg.num_layers}")
             parts.setdefault((layer, *_PARTS[module]), {})[which] = tensor
         layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(cfg.num_layers)]
-        sizes = _part_sizes(cfg)
-        for projection, part_sizes in sizes.items():
+        for projection, (in_size, part_sizes) in _shapes(cfg).items():
             for layer in range(cfg.num_layers):
                 found = [parts.get((layer, projection, i)) for i in range(len(part_sizes))]
                 if any(found):
-                    layers[layer][projection] = _fuse(name, layer, projection, found, part_sizes, rank, device,
-                                                      dtype)
+                    layers[layer][projection] = _fuse(name, f"layer {layer} {projection}", found, in_size, part_sizes,
+                                                      rank, device, dtype)
         if not any(layers):
             raise AdapterError(f"adapter {name!r}: no LoRA weights for this model's projections")
         return cls(name, rank, scale, layers)
@@ -93,16 +98,16 @@ def _parse_key(name: str, key: str) -> tuple[int, str, str]:
     return layer, module, which
 
 
-def _fuse(name: str, layer: int, projection: str, found: list[dict | None], sizes: list[int], rank: int,
+def _fuse(name: str, where: str, found: list[dict | None], in_size: int, sizes: list[int], rank: int,
           device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     a_parts = []
     b = torch.zeros(sum(sizes), rank * sum(1 for f in found if f), dtype=torch.float32)
     row = col = 0
     for part, size in zip(found, sizes, strict=True):
         if part is not None:
-            if set(part) != {"A", "B"} or part["A"].shape[0] != rank or part["B"].shape != (size, rank):
-                raise AdapterError(f"adapter {name!r}: layer {layer} {projection}: A and B must be [{rank}, in] "
-                                   f"and [{size}, {rank}]")
+            if set(part) != {"A", "B"} or part["A"].shape != (rank, in_size) or part["B"].shape != (size, rank):
+                raise AdapterError(f"adapter {name!r}: {where}: A and B must be [{rank}, {in_size}] and "
+                                   f"[{size}, {rank}] (an adapter made for this model, of rank r)")
             a_parts.append(part["A"].float())
             b[row:row + size, col:col + rank] = part["B"].float()
             col += rank

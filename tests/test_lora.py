@@ -127,7 +127,10 @@ def test_a_step_naming_an_adapter_that_is_not_loaded_is_refused(runner):
     (lambda d: _edit_tensors(d, "lora_A", "lora_embedding_A", only="q_proj"), "no LoRA weight"),
     (lambda d: _edit_tensors(d, "q_proj", "lm_head"), "not adapted by Tandem"),
     (lambda d: _edit_config(d, r=RANK + 1), "must be"),
-], ids=["not-peft", "dora", "embedding-lora", "lm-head", "wrong-rank"])
+    (lambda d: _edit_config(d, rank_pattern={"q_proj": 8}), "per-module ranks"),
+    (lambda d: _edit_tensors(d, "layers.1.", "layers.7."), "the model has 2"),
+    (lambda d: _reshape(d, "q_proj.lora_A", (RANK, 32)), "must be"),
+], ids=["not-peft", "dora", "embedding-lora", "lm-head", "wrong-rank", "rank-pattern", "deeper-model", "narrower"])
 def test_an_adapter_tandem_cannot_serve_is_refused_saying_why(model_pair, tmp_path, breakage, message):
     d = write_adapter(model_pair[0], tmp_path / "a", 0)
     breakage(d)
@@ -139,6 +142,12 @@ def test_an_adapter_tandem_cannot_serve_is_refused_saying_why(model_pair, tmp_pa
 def _edit_config(d: Path, **changes: object) -> None:
     config = json.loads((d / "adapter_config.json").read_text())
     (d / "adapter_config.json").write_text(json.dumps(config | changes))
+
+
+def _reshape(d: Path, which: str, shape: tuple[int, int]) -> None:
+    tensors = load_file(str(d / "adapter_model.safetensors"))
+    save_file({k: torch.zeros(shape) if which in k else v for k, v in tensors.items()},
+              str(d / "adapter_model.safetensors"))
 
 
 def _edit_tensors(d: Path, old: str, new: str, only: str = "") -> None:
