@@ -172,11 +172,15 @@ def test_top_logprobs_are_the_chat_answers(stack):
         "messages": [{"role": "user", "content": "Hi"}]}).json()["choices"][0]["logprobs"]["content"]
     out = client.responses.create(model="tiny", input="Hi", temperature=0, max_output_tokens=6, top_logprobs=2)
     got = out.output[0].content[0].logprobs
-    assert [(t.token, t.logprob, [a.logprob for a in t.top_logprobs]) for t in got] == \
-        [(c["token"], c["logprob"], [a["logprob"] for a in c["top_logprobs"]]) for c in chat]
+    # the same tokens; their logprobs equal up to fp32 rounding (this request attaches the prompt blocks the
+    # chat request cached, so its tail is computed in products of another shape)
+    assert [(t.token, [a.token for a in t.top_logprobs]) for t in got] == \
+        [(c["token"], [a["token"] for a in c["top_logprobs"]]) for c in chat]
+    assert [lp for t in got for lp in (t.logprob, *(a.logprob for a in t.top_logprobs))] == pytest.approx(
+        [lp for c in chat for lp in (c["logprob"], *(a["logprob"] for a in c["top_logprobs"]))], abs=1e-4)
     assert all(bytes(t.bytes).decode() == t.token for t in got)
     with client.responses.stream(model="tiny", input="Hi", temperature=0, max_output_tokens=6, top_logprobs=2) as s:
         events = list(s)
     streamed = [lp.logprob for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
-    assert streamed == [c["logprob"] for c in chat]
+    assert streamed == pytest.approx([c["logprob"] for c in chat], abs=1e-4)
     assert [lp.logprob for lp in events[-1].response.output[0].content[0].logprobs] == streamed
