@@ -79,12 +79,12 @@ def test_content_blocks_become_the_chat_messages_they_mean():
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages.0.content.0.tool_use_id"),
 ])
 def test_what_tandem_does_not_do_names_its_field(fields, field):
-    with pytest.raises(RequestError) as err:
-        MessagesBody(**{"model": "m", "max_tokens": 5, "messages": HELLO, **fields}).chat()
+    with pytest.raises(RequestError) as err:  # as the router reads it: the chat request, its tool choice checked
+        MessagesBody(**{"model": "m", "max_tokens": 5, "messages": HELLO, **fields}).chat().tool_calling(None)
     assert err.value.field == field
     if field == "tool_choice":
         assert '{"type": "any"}' in str(err.value), "the alternatives in this API's own terms"
-        assert MessagesBody(model="m", max_tokens=5, messages=HELLO, tools=TOOLS).chat(parser="hermes").tools
+        assert MessagesBody(model="m", max_tokens=5, messages=HELLO, tools=TOOLS).chat().tool_calling("hermes")
 
 
 @pytest.fixture(scope="module")

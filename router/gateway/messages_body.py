@@ -27,6 +27,8 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from router.core import RequestError
 from router.gateway.openai_types import ChatBody, OpenAIBody
 
+MESSAGES_CHOICES = '{"type": "any"} (one call or more), {"type": "tool", "name": ...} or {"type": "none"}'
+
 
 class MessagesBody(OpenAIBody):
     model: StrictStr
@@ -51,10 +53,10 @@ class MessagesBody(OpenAIBody):
     include_usage: ClassVar[bool] = False  # the usage is in message_start and message_delta, always
     continuous_usage: ClassVar[bool] = False
 
-    def chat(self, counting: bool = False, parser: str | None = None) -> ChatBody:
-        """The chat request this one means (every field checked there as on /v1/chat/completions).
-        counting: for /v1/messages/count_tokens, which needs no max_tokens; parser: the router's
-        --tool-call-parser, which tool_choice "auto" needs (said here in this API's terms)."""
+    def chat(self, counting: bool = False) -> ChatBody:
+        """The chat request this one means (every field checked there as on /v1/chat/completions; its
+        refusals of a tool choice name this API's). counting: for /v1/messages/count_tokens, which needs
+        no max_tokens."""
         if self.max_tokens is None and not counting:
             raise RequestError("max_tokens", "required")
         system = [] if self.system is None else [{"role": "system", "content": _text(self.system, "system")}]
@@ -66,17 +68,14 @@ class MessagesBody(OpenAIBody):
                   "tool_choice": choice, "parallel_tool_calls": parallel,
                   "response_format": _format(self.output_config),
                   "chat_template_kwargs": _thinking(self.thinking)}
-        if self.tools and choice in (None, "auto") and parser is None and not counting:
-            raise RequestError("tool_choice", '"auto" (the default when tools are given) needs the router started '
-                                              "with --tool-call-parser (the model's own tool-call format); without it "
-                                              'send {"type": "any"} (one call or more), {"type": "tool", "name": ...} '
-                                              'or {"type": "none"}')
         if self.messages[-1].get("role") == "assistant":  # a prefill: the answer writes on from its text
             fields |= {"add_generation_prompt": False, "continue_final_message": True}
         try:
-            return ChatBody(**{k: v for k, v in fields.items() if v is not None})
+            chat = ChatBody(**{k: v for k, v in fields.items() if v is not None})
         except ValueError as err:  # a message the chat body refuses: name the messages
             raise RequestError("messages", str(err).splitlines()[0] if str(err) else "invalid") from None
+        chat._tool_choices = MESSAGES_CHOICES
+        return chat
 
 
 def _text(content: object, field: str) -> str:

@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -32,7 +33,7 @@ from common.protocol import MAX_LOGPROBS
 from common.sampling import SamplingParams
 from router.core import Request, RequestError
 from router.gateway.conversation import ChatMessage, conversation, template_options
-from router.gateway.tools import ToolCalling, tool_calling
+from router.gateway.tools import CHAT_CHOICES, ToolCalling, tool_calling
 from router.structured import Constraint
 
 MAX_STOP_STRINGS = 8
@@ -223,6 +224,7 @@ class ChatBody(_Common):
     tool_choice: StrictStr | dict | None = None
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict | None = None  # vLLM's: more template variables (Qwen3's enable_thinking, ...)
+    _tool_choices: str = PrivateAttr(CHAT_CHOICES)  # the other tool choices, in the terms of the API asked
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
@@ -236,7 +238,7 @@ class ChatBody(_Common):
 
     def tool_calling(self, parser: str | None = None) -> ToolCalling | None:
         """parser: the router's --tool-call-parser (tool_choice "auto" needs one)."""
-        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls, parser, self._tool_choices)
 
     def to_request(self, request_id: str, prompt_ids: list[int], defaults: SamplingParams,
                    calling: ToolCalling | None = None) -> Request:

@@ -110,10 +110,16 @@ def call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+# what to send instead of "auto" without a parser, in each API's terms
+CHAT_CHOICES = '"required" (one call or more), a named function ({"type": "function", "function": {"name": ...}}) ' \
+    'or "none"'
+
+
 def tool_calling(tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None,
-                 parser: str | None = None) -> ToolCalling | None:
+                 parser: str | None = None, choices: str = CHAT_CHOICES) -> ToolCalling | None:
     """The checked choice; None when the answer is text. parser: the router's --tool-call-parser, which
-    "auto" needs. Every error names its field."""
+    "auto" needs; choices: the other tool choices, as the request's API names them. Every error names
+    its field."""
     schemas = _schemas(tools or [])
     if tool_choice is None:
         tool_choice = "auto" if schemas else "none"
@@ -128,9 +134,7 @@ def tool_calling(tools: list[dict] | None, tool_choice: str | dict | None, paral
         if parser is None:
             raise RequestError("tool_choice", '"auto" (the default when tools are given) needs the router started '
                                               "with --tool-call-parser (the model's own tool-call format: "
-                                              f"{', '.join(TOOL_PARSERS)}); without it send \"required\" (one call or "
-                                              'more), a named function ({"type": "function", "function": {"name": '
-                                              '...}}) or "none"')
+                                              f"{', '.join(TOOL_PARSERS)}); without it send {choices}")
         return ToolCalling(schemas, None, parallel, auto=True)
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
