@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from common.block_hash import adapter_root
 from engine.config import ModelConfig
 
 # PEFT's module names -> (the engine's fused projection, which part of it)
@@ -49,6 +50,7 @@ class LoraAdapter:
     rank: int
     scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: projection -> (A, B), fused
+    root: int  # its sequences' first block hashes from here (common/block_hash.adapter_root)
 
     @classmethod
     def load(cls, name: str, path: str | Path, cfg: ModelConfig, device: torch.device,
@@ -81,7 +83,7 @@ class LoraAdapter:
                                                       rank, device, dtype)
         if not any(layers):
             raise AdapterError(f"adapter {name!r}: no LoRA weights for this model's projections")
-        return cls(name, rank, scale, layers)
+        return cls(name, rank, scale, layers, adapter_root(name))
 
 
 def _parse_key(name: str, key: str) -> tuple[int, str, str]:

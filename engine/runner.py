@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.block_hash import adapter_root
+from common.block_hash import ROOT
 from engine.attention import BatchLayout, select_backend, uses_flash
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import GraphRunner
@@ -233,7 +233,7 @@ class ModelRunner:
             if x.prefix:
                 self.prefix.attach(x.seq_id, x.prefix)
             if self.adapters:
-                self.prefix.set_root(x.seq_id, adapter_root(x.adapter))
+                self.prefix.set_root(x.seq_id, self.adapters[x.adapter].root if x.adapter else ROOT)
         for x in inputs:
             self.trim(x.seq_id, x.start_pos)
         for x in inputs:

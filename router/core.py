@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from common.block_hash import adapter_root
 from common.sampling import InvalidField, SamplingParams
 from router.lookup import LookupShadow, PromptLookup
 from router.prefix import SeqPrefix
@@ -64,6 +65,11 @@ class Request:
     # thinks freely first); None: from the first output token.
     grammar_opens_after: int | None = None
     eos_ids: tuple[int, ...] = ()  # set by RouterEngine.submit: what min_tokens holds back with stop_token_ids
+
+    @cached_property
+    def block_root(self) -> int:
+        """Where its target block hashes start (its LoRA adapter's root; ROOT for the base model)."""
+        return adapter_root(self.lora)
 
     @cached_property
     def sampling_proto(self) -> common_pb2.SamplingParams:

@@ -25,7 +25,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.block_hash import ROOT, adapter_root, chain_hashes
+from common.block_hash import ROOT, chain_hashes
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -243,4 +243,4 @@ class PrefixCaches:
 
 def _chain(seq: Sequence, mirror: PrefixMirror) -> list[int]:
     """seq's block hashes as mirror's service computes them (the draft serves the base model for all)."""
-    return seq.prefix.chain(seq.tokens, mirror.block_size, adapter_root(seq.request.lora) if mirror.adapted else ROOT)
+    return seq.prefix.chain(seq.tokens, mirror.block_size, seq.request.block_root if mirror.adapted else ROOT)
