@@ -148,7 +148,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if self.by_priority:
-            self.waiting.insert(bisect.bisect_right([self.rank(s) for s in self.waiting], self.rank(seq)), seq)
+            bisect.insort(self.waiting, seq, key=self.rank)
         else:
             self.waiting.append(seq)
 
