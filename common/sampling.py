@@ -16,6 +16,10 @@ from pathlib import Path
 
 from tandem.v1 import common_pb2
 
+MAX_BAD_WORDS = 128  # token sequences per request (vLLM's default VLLM_MAX_NUM_BAD_WORDS)
+MAX_BAD_WORD_TOKENS = 32
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
+
 
 class InvalidField(ValueError):
     """A request field is out of range: HTTP 400 / gRPC INVALID_ARGUMENT. `field` names it."""
@@ -55,13 +59,16 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: every other id is out; () = no restriction
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output must not contain
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def check(self) -> None:
-        """InvalidField naming the first bad parameter."""
+    def check(self, held_back: tuple[int, ...] = ()) -> None:
+        """InvalidField naming the first bad parameter. held_back: what min_tokens keeps out besides
+        stop_token_ids (EOS)."""
         problems = validate_sampling(self.temperature, self.top_p, self.top_k, "sampling", self.min_p)
         if problems:
             name = problems[0].split(" ", 1)[0].removeprefix("sampling.")
@@ -79,12 +86,25 @@ class SamplingParams:
             raise InvalidField("logit_bias", "token ids must be distinct")
         if self.min_tokens < 0:
             raise InvalidField("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
+            raise InvalidField("bad_words", f"at most {MAX_BAD_WORDS} token sequences of 1 to {MAX_BAD_WORD_TOKENS} "
+                                            "tokens each")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidField("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids")
+        out = {w[0] for w in self.bad_words if len(w) == 1}
+        if self.min_tokens:
+            out |= set(self.stop_token_ids) | set(held_back)
+        if self.allowed_token_ids and set(self.allowed_token_ids) <= out:  # a row of -inf: nothing to sample
+            raise InvalidField("allowed_token_ids", "bad_words (or the stop ids min_tokens holds back) rule out "
+                                                    "every allowed token")
+
 
     @property
     def processed(self) -> bool:
         """Whether any logits processor is on (else the services skip that work entirely)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.allowed_token_ids)
+                or bool(self.bad_words))
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of n: a seeded request's choices get distinct derived seeds
@@ -113,6 +133,8 @@ class SamplingParams:
         if self.min_tokens:
             msg.min_tokens = self.min_tokens
             msg.stop_token_ids.extend(sorted(set(self.stop_token_ids) | set(held_back)))
+        msg.allowed_token_ids.extend(self.allowed_token_ids)
+        msg.bad_words.extend(common_pb2.TokenIds(ids=w) for w in self.bad_words)
         return msg
 
     @staticmethod
@@ -127,6 +149,10 @@ class SamplingParams:
             given["logit_bias"] = tuple(sorted(msg.logit_bias.items()))
         if msg.stop_token_ids:
             given["stop_token_ids"] = tuple(msg.stop_token_ids)
+        if msg.allowed_token_ids:
+            given["allowed_token_ids"] = tuple(msg.allowed_token_ids)
+        if msg.bad_words:
+            given["bad_words"] = tuple(tuple(w.ids) for w in msg.bad_words)
         return given
 
     @classmethod

@@ -33,7 +33,7 @@ class SeqState:
 
 @dataclass
 class RowState:
-    """One drafted continuation's view: its grammar state and (with penalties) its context tokens."""
+    """One drafted continuation's view: its grammar state and (with penalties or bad words) its context tokens."""
 
     matcher: Matcher | None
     tokens: list[int] | None
@@ -112,8 +112,8 @@ class Constraints:
         if matcher is not None and not own:
             matcher = matcher.copy()
             matcher.rollback(len(matcher.consumed) - max(0, end - state.prompt_len))
-        penalized = state.processors is not None and state.processors.penalized
-        return RowState(matcher, self.history.get(seq_id, end) if penalized else None, state.processors)
+        reads = state.processors is not None and state.processors.needs_history
+        return RowState(matcher, self.history.get(seq_id, end) if reads else None, state.processors)
 
     def after(self, seq_id: int, cached: Sequence[int]) -> None:
         """A plain continuation cached these drafts: the history holds them too (its matcher consumed them)."""

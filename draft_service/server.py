@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -36,7 +37,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.worker.on_release.append(self.proposer.constraints.release)
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
         self.streams = CallStreams()  # the open ProposeStreams
-        self._sampling = CheckedOnce(_check_sampling)  # a sequence's SamplingParams, checked once
+        self._sampling = CheckedOnce(functools.partial(_check_sampling, vocab=runner.model_config.vocab_size))
 
     @rpc_errors
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
@@ -130,13 +131,17 @@ def _tokens(request: draft_pb2.ProposeRequest) -> int:
     return sum(len(e.tokens) + e.k * (1 + len(e.branches)) for e in request.entries)
 
 
-def _check_sampling(e: draft_pb2.ProposeEntry, field: str) -> tuple[SamplingSpec, Processors | None]:
-    """What e.sampling samples with (checked once per distinct message: DraftServicer._sampling)."""
+def _check_sampling(e: draft_pb2.ProposeEntry, field: str, vocab: int) -> tuple[SamplingSpec, Processors | None]:
+    """What e.sampling samples with (checked once per distinct message and prompt length)."""
     spec = sampling_spec(e.sampling, field)
     try:
-        return spec, Processors.from_proto(e.sampling, e.prompt_len)
+        processors = Processors.from_proto(e.sampling, e.prompt_len)
     except InvalidField as err:
         raise InvalidInput(f"{field}.{err.field}", str(err).split(": ", 1)[-1]) from None
+    if processors is not None and any(not 0 <= t < vocab for t in processors.token_ids()):
+        raise InvalidInput(field, f"logit_bias, stop_token_ids, allowed_token_ids and bad_words ids must be in "
+                                  f"[0, {vocab})")
+    return spec, processors
 
 
 def _dists(qs: list[SparseQ]) -> list[common_pb2.SparseDist]:

@@ -1,16 +1,21 @@
 """Logits processors, applied identically on the target (to p) and the draft (to q) before temperature,
 top-k and top-p, so that strict rejection sampling stays exact for the processed distribution p'.
 
-Order (vLLM's): the grammar mask, logit_bias, min_tokens, then the repetition, frequency and presence
-penalties. The rows of one sequence decide consecutive positions: row i sees the history plus the
-tokens the earlier rows decided (the drafts before it), so the penalties of a verification position
-count the drafts in front of it, exactly as if they had been generated one at a time.
+Order (vLLM's): the grammar mask, allowed_token_ids, bad_words, logit_bias, min_tokens, then the
+repetition, frequency and presence penalties. The rows of one sequence decide consecutive positions:
+row i sees the history plus the tokens the earlier rows decided (the drafts before it), so the
+penalties and bad words of a verification position count the drafts in front of it, exactly as if
+they had been generated one at a time.
 
     repetition (HF RepetitionPenaltyLogitsProcessor)  seen in prompt or output: x / r if x > 0 else x * r
     frequency, presence (OpenAI)                      x -= frequency * count + presence * [count > 0],
                                                       counting output tokens only
     min_tokens                                        held-back ids (EOS, stop_token_ids) get -inf while
                                                       fewer than min_tokens tokens were generated
+    allowed_token_ids (vLLM)                          every other id gets -inf
+    bad_words (vLLM)                                  a sequence's last token gets -inf where the output
+                                                      so far ends with its other tokens (the prompt does
+                                                      not count; a one-token sequence: always)
 A sequence without any of these costs nothing here: its logits are not touched.
 """
 
@@ -37,10 +42,22 @@ class Processors:
     min_tokens: int = 0
     held_back: tuple[int, ...] = ()  # the ids min_tokens keeps out
     prompt_len: int = 0  # positions >= prompt_len are output
+    allowed: tuple[int, ...] = ()  # () = every id
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def penalized(self) -> bool:
         return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether a row's processing reads the tokens before it (penalties, bad words of two tokens or more)."""
+        return self.penalized or any(len(w) > 1 for w in self.bad_words)
+
+    def token_ids(self) -> list[int]:
+        """Every token id the processors name (the services check each is in the vocabulary)."""
+        return [t for t, _ in self.bias] + list(self.held_back) + list(self.allowed) + [t for w in self.bad_words
+                                                                                        for t in w]
 
     @staticmethod
     def from_proto(params: common_pb2.SamplingParams, prompt_len: int) -> Processors | None:
@@ -50,7 +67,7 @@ class Processors:
         if not p.processed:
             return None
         return Processors(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens,
-                          p.stop_token_ids, prompt_len)
+                          p.stop_token_ids, prompt_len, p.allowed_token_ids, p.bad_words)
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,12 @@ def apply(logits: torch.Tensor, ctx: Context) -> torch.Tensor:
         out.masked_fill_(~allowed, NEG_INF)
     if p is None:
         return out
+    if p.allowed:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        keep[torch.tensor(p.allowed, device=dev)] = True
+        out.masked_fill_(~keep, NEG_INF)
+    if p.bad_words:
+        _ban_words(out, p, ctx)
     if p.bias:
         ids = torch.tensor([t for t, _ in p.bias], device=dev)
         out[:, ids] += torch.tensor([b for _, b in p.bias], device=dev)
@@ -100,6 +123,30 @@ def apply(logits: torch.Tensor, ctx: Context) -> torch.Tensor:
     if p.penalized:
         out = _penalize(out, p, ctx)
     return out
+
+
+def _ban_words(out: torch.Tensor, p: Processors, ctx: Context) -> None:
+    """Row i's output so far is history[prompt_len:] + extra[:i]: a word's last token is out where it
+    would complete the word.
+
+        output ... a b | d1 d2          word (b, d1, x): row 1 (after d1) bans x
+    """
+    rows = out.shape[0]
+    singles = [w[0] for w in p.bad_words if len(w) == 1]
+    if singles:
+        out[:, singles] = NEG_INF
+    if not p.needs_history or len(singles) == len(p.bad_words):
+        return
+    assert len(ctx.history) == ctx.first_pos, "bad words of several tokens read the whole history"
+    output = list(ctx.history[p.prompt_len:]) + list(ctx.extra[:rows - 1])
+    done = ctx.first_pos - p.prompt_len  # output tokens before row 0
+    for word in p.bad_words:
+        *head, last = word
+        n = len(head)
+        for i in range(rows):
+            end = done + i
+            if n and end >= n and output[end - n:end] == head:
+                out[i, last] = NEG_INF
 
 
 def _penalize(out: torch.Tensor, p: Processors, ctx: Context) -> torch.Tensor:

@@ -12,10 +12,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from common.sampling import MAX_BAD_WORDS
 from router.chat import ChatFormatter
 from router.core import RequestError
 
 log = logging.getLogger(__name__)
+
+MAX_BAD_WORD_CHARS = 256
 
 
 class TextCodec:
@@ -56,6 +59,16 @@ class TextCodec:
             raise RequestError("messages", f"chat template: {err}") from None
         # the rendered template carries its own special tokens (BOS included): add none
         return self.tokenizer.encode_batch([prompt], add_special_tokens=self.chat.template is None)[0].ids
+
+    def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as written and after a space (a word that
+        starts the text and one in its middle tokenize differently), distinct. Short texts: encoded here."""
+        if len(words) > MAX_BAD_WORDS or any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+            raise RequestError("bad_words", f"at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_CHARS} characters, "
+                                            "not only spaces")
+        variants = [v for w in words for v in (w.lstrip(), " " + w.lstrip())]
+        encoded = self.tokenizer.encode_batch(variants, add_special_tokens=False)
+        return tuple(dict.fromkeys(tuple(e.ids) for e in encoded if e.ids))
 
     async def _run(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

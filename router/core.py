@@ -65,6 +65,7 @@ class Request:
     # thinks freely first); None: from the first output token.
     grammar_opens_after: int | None = None
     eos_ids: tuple[int, ...] = ()  # set by RouterEngine.submit: what min_tokens holds back with stop_token_ids
+    bad_words: tuple[str, ...] = ()  # vLLM's, as text: RouterEngine.submit adds their tokens to sampling.bad_words
 
     @cached_property
     def block_root(self) -> int:

@@ -157,7 +157,14 @@ class RouterEngine:
         info = self.target_info
         assert info is not None and self.lanes, "engine not started"
         return check_request(req, info.vocab_size, self.max_model_len, self.config.scheduling_policy,
-                             self.lora_adapters)
+                             self.lora_adapters, tuple(info.eos_token_ids))
+
+    def _tokenized(self, req: Request) -> Request:
+        """The request with its bad_words (text) among its sampling's token sequences."""
+        if not req.bad_words:
+            return req
+        banned = req.sampling.bad_words + self.codec.bad_word_ids(req.bad_words)
+        return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, bad_words=banned))
 
     @property
     def grammars(self) -> Grammars:
@@ -172,6 +179,7 @@ class RouterEngine:
         queued, their outputs in one stream where prompt p's choice i is index p x n + i. A prompt
         refused while queueing (Overloaded) aborts the ones queued before it."""
         assert reqs and len({r.n for r in reqs}) == 1, "one n for all prompts"
+        reqs = [self._tokenized(req) for req in reqs]
         max_tokens = [self.validate(req) for req in reqs]
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         seqs: list[Sequence] = []
@@ -186,6 +194,7 @@ class RouterEngine:
     def submit(self, req: Request, trace_parent: Context | None = None) -> RequestStream:
         """Validate and queue a request (synchronous: raises before anything is queued).
         trace_parent: the caller's span, when tracing (None: the current context's)."""
+        req = self._tokenized(req)
         return RequestStream(self, self._queue(req, self.validate(req), trace_parent, asyncio.Queue(), 0))
 
     def _queue(self, req: Request, max_tokens: int, trace_parent: Context | None, queue: asyncio.Queue[Delta],

@@ -58,6 +58,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics, constraint=_constraint(msg),
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             include_stop_str_in_output=msg.include_stop_str_in_output, priority=msg.priority, lora=lora,
+            bad_words=tuple(msg.bad_words),
         )
 
     async def _chat(self, messages: list[generate_pb2.ChatMessage]) -> list[int]:

@@ -8,10 +8,11 @@ from router.core import Request, RequestError
 MAX_CHOICES = 16  # n per request
 
 
-def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapters: list[str]) -> int:
+def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapters: list[str],
+                  eos_ids: tuple[int, ...] = ()) -> int:
     """RequestError naming the first bad field; else the number of tokens the request may generate.
     limit: the longest sequence served; policy: the router's scheduling policy; adapters: the LoRA
-    adapters the targets serve."""
+    adapters the targets serve; eos_ids: the model's EOS ids."""
     n = len(req.prompt_ids)
     if not n:
         raise RequestError("prompt", "must not be empty")
@@ -25,7 +26,7 @@ def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapte
         if n + req.max_tokens > limit:
             raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds "
                                              f"max_model_len {limit}")
-    req.sampling.check()
+    req.sampling.check(held_back=() if req.ignore_eos else eos_ids)
     if req.lora and req.lora not in adapters:
         raise RequestError("model", f"no LoRA adapter {req.lora!r} is served")
     if req.priority and policy != "priority":
@@ -39,10 +40,15 @@ def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapte
         raise RequestError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
     if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
         raise RequestError("max_speculative_tokens", "must be >= 0")
-    ids = [t for t, _ in req.sampling.logit_bias] + list(req.sampling.stop_token_ids)
-    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise RequestError("logit_bias" if req.sampling.logit_bias else "stop_token_ids",
-                           f"token ids must be in [0, {vocab_size})")
+    for field, ids in (("logit_bias", [t for t, _ in req.sampling.logit_bias]),
+                       ("stop_token_ids", req.sampling.stop_token_ids),
+                       ("allowed_token_ids", req.sampling.allowed_token_ids),
+                       ("bad_words", [t for w in req.sampling.bad_words for t in w])):
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise RequestError(field, f"token ids must be in [0, {vocab_size})")
+    if req.sampling.allowed_token_ids and req.constraint is not None:
+        raise RequestError("allowed_token_ids", "is not taken with structured output (the grammar says which "
+                                                "tokens may come)")
     if not 1 <= req.n <= MAX_CHOICES:
         raise RequestError("n", f"must be in [1, {MAX_CHOICES}], got {req.n}")
     return req.max_tokens if req.max_tokens is not None else limit - n

@@ -46,7 +46,7 @@ class Entry:
 
     @property
     def needs_history(self) -> bool:
-        return self.processors is not None and self.processors.penalized
+        return self.processors is not None and self.processors.needs_history
 
 
 @dataclass(frozen=True)
@@ -153,9 +153,9 @@ class StepParser:
         except InvalidField as err:
             raise InvalidInput(f"{where}.sampling.{err.field}", str(err).split(": ", 1)[-1]) from None
         vocab = self.vocab_size
-        if processors is not None and any(not 0 <= t < vocab for t in [t for t, _ in processors.bias]
-                                          + list(processors.held_back)):
-            raise InvalidInput(f"{where}.sampling", f"logit_bias and stop_token_ids ids must be in [0, {vocab})")
+        if processors is not None and any(not 0 <= t < vocab for t in processors.token_ids()):
+            raise InvalidInput(f"{where}.sampling", f"logit_bias, stop_token_ids, allowed_token_ids and bad_words ids "
+                                                    f"must be in [0, {vocab})")
         if not e.emit:
             return _Sampling(processors, None)
         field = f"{where}.sampling"

@@ -34,6 +34,12 @@ def svc(draft_dir):
     s.server.stop()
 
 
+def _with(e: draft_pb2.ProposeEntry, **sampling: object) -> draft_pb2.ProposeEntry:
+    """The entry with these SamplingParams fields merged in."""
+    e.sampling.MergeFrom(common_pb2.SamplingParams(**sampling))
+    return e
+
+
 BAD_PROPOSALS = [
     ("empty batch", [], "entries"),
     ("duplicate", [entry(601, 10, [1], 2), entry(601, 10, [1], 2)], "entries[1].seq_id"),
@@ -47,6 +53,12 @@ BAD_PROPOSALS = [
     ("past max_model_len", [entry(601, 250, [1, 2], 5)], "entries[0].k"),
     ("start past max_model_len", [entry(601, 256, [1], 0)], "entries[0].start_pos"),
     ("max_batch_tokens", [entry(700 + i, 0, [1] * 200, 0) for i in range(11)], "max_batch_tokens"),
+    ("logit_bias id", [_with(entry(601, 10, [1], 2), logit_bias={VOCAB: 1.0})], "entries[0].sampling"),
+    ("allowed id", [_with(entry(601, 10, [1], 2), allowed_token_ids=[3, VOCAB])], "entries[0].sampling"),
+    ("bad word id", [_with(entry(601, 10, [1], 2), bad_words=[common_pb2.TokenIds(ids=[4, VOCAB + 7])])],
+     "entries[0].sampling"),
+    ("empty bad word", [_with(entry(601, 10, [1], 2), bad_words=[common_pb2.TokenIds()])],
+     "entries[0].sampling.bad_words"),
 ]
 
 

@@ -4,10 +4,11 @@ and the k + 1 rows of a verification see exactly what one-at-a-time generation w
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
-from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers import MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from common.sampling import SamplingParams
+from common.sampling import InvalidField, SamplingParams
 from engine.logits import Context, Processors, TokenHistory, apply, unpack_masks
 
 V = 50
@@ -78,6 +79,65 @@ def test_untouched_without_processors_and_from_proto():
                           stop_token_ids=(9,)).to_proto(held_back=(1,))
     assert Processors.from_proto(wire, 4) == Processors(repetition=1.25, bias=((3, 2.0),), min_tokens=2,
                                                         held_back=(1, 9), prompt_len=4)
+
+
+def test_allowed_token_ids_leave_every_other_id_out():
+    x = logits(rows=2)
+    got = apply(x, Context(Processors(allowed=(3, 8, 41), bias=((8, 2.0),))))
+    for row in range(2):
+        assert torch.isfinite(got[row]).nonzero().squeeze(-1).tolist() == [3, 8, 41]
+    assert got[0, 3] == x[0, 3] and got[1, 8] == x[1, 8] + 2.0
+
+
+WORDS = ((20,), (11, 30), (7, 11, 44))  # one token, two, three
+
+
+def test_bad_words_equal_transformers_where_the_prompt_is_not_part_of_a_word():
+    """Transformers' NoBadWordsLogitsProcessor reads the prompt too; vLLM's (and this) the output only:
+    with no word's head across the prompt's end the two agree, on every prefix of the output."""
+    hf = NoBadWordsLogitsProcessor([list(w) for w in WORDS])
+    p = Processors(bad_words=WORDS, prompt_len=len(PROMPT))
+    for end in range(len(OUTPUT) + 1):
+        history = PROMPT + OUTPUT[:end]
+        x = logits(seed=end)
+        want = hf(torch.tensor([history]), x.clone())
+        torch.testing.assert_close(apply(x, Context(p, history, first_pos=len(history))), want)
+        banned = {20} | ({30} if history[-1] == 11 else set()) | ({44} if history[-2:] == [7, 11] else set())
+        assert set(torch.isinf(want[0]).nonzero().squeeze(-1).tolist()) == banned
+
+
+def test_bad_words_see_the_drafts_before_each_row_and_not_the_prompt():
+    p = Processors(bad_words=WORDS, prompt_len=len(PROMPT))
+    x = logits(rows=4, seed=2)
+    history = PROMPT + [7]  # output so far: [7]
+    drafts = [11, 30, 11]
+    rows = apply(x, Context(p, history, extra=drafts, first_pos=len(history)))
+    for i in range(4):
+        one = apply(x[i:i + 1], Context(p, history + drafts[:i], first_pos=len(history) + i))
+        torch.testing.assert_close(rows[i:i + 1], one)
+    assert rows[1, 44] == float("-inf") and rows[1, 30] == float("-inf")  # after 7, 11: both words complete
+    assert torch.isfinite(rows[2, 44]) and rows[3, 30] == float("-inf")
+    prompt_only = apply(x[:1], Context(Processors(bad_words=WORDS, prompt_len=5), PROMPT + [11], first_pos=5))
+    assert torch.isfinite(prompt_only[0, 30]), "a word's head in the prompt does not count"
+
+
+def test_only_bad_words_of_several_tokens_need_the_history():
+    assert not Processors(bad_words=((5,), (6,))).needs_history
+    assert Processors(bad_words=((5,), (6, 7))).needs_history and Processors(presence=0.1).needs_history
+    got = apply(logits(), Context(Processors(bad_words=((5,), (6,)), prompt_len=4), first_pos=9))
+    assert torch.isinf(got[0]).nonzero().squeeze(-1).tolist() == [5, 6]
+
+
+def test_allowed_and_bad_words_cross_the_wire_and_are_checked():
+    wire = SamplingParams(temperature=0.0, allowed_token_ids=(2, 4), bad_words=((4,), (1, 2))).to_proto()
+    assert Processors.from_proto(wire, 3) == Processors(allowed=(2, 4), bad_words=((4,), (1, 2)), prompt_len=3)
+    with pytest.raises(InvalidField, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=(2, 4), bad_words=((2,), (4,))).check()
+    with pytest.raises(InvalidField, match="allowed_token_ids"):  # min_tokens holds EOS back: nothing left
+        SamplingParams(allowed_token_ids=(2,), min_tokens=1).check(held_back=(2,))
+    SamplingParams(allowed_token_ids=(2,), min_tokens=1).check()
+    with pytest.raises(InvalidField, match="bad_words"):
+        SamplingParams(bad_words=((),)).check()
 
 
 def test_token_history_is_position_addressed():

@@ -2,6 +2,7 @@
 checked and turned into Requests; chat's tools as router.gateway.tools takes them. Extensions beyond
 OpenAI's fields: top_k, min_p, ignore_eos, max_speculative_tokens, typical_acceptance,
 return_token_ids, tandem_metrics, and vLLM's repetition_penalty, min_tokens, stop_token_ids,
+allowed_token_ids, bad_words,
 skip_special_tokens, truncate_prompt_tokens, add_generation_prompt, continue_final_message,
 chat_template_kwargs, structured_outputs (json, regex, choice, grammar, json_object) with its older
 guided_json/guided_regex/guided_choice/guided_grammar. Sampling fields left out (or null) take the
@@ -95,6 +96,8 @@ class _Common(OpenAIBody):
     logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias
     min_tokens: StrictInt | None = None
     stop_token_ids: list[StrictInt] | None = None
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these ids may be generated
+    bad_words: list[StrictStr] | None = None  # vLLM's: words the output must not contain
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: StrictStr | dict | None = None
@@ -130,7 +133,8 @@ class _Common(OpenAIBody):
                                     frequency_penalty=_float(self.frequency_penalty),
                                     repetition_penalty=_float(self.repetition_penalty), logit_bias=self._bias(),
                                     min_tokens=self.min_tokens,
-                                    stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None)
+                                    stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
+                                    allowed_token_ids=self._allowed())
         constraint = Constraint.from_openai(self.response_format, self.structured_outputs, {
             "guided_json": self.guided_json, "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
             "guided_grammar": self.guided_grammar})
@@ -138,7 +142,8 @@ class _Common(OpenAIBody):
                        stop=tuple(stop), logprobs=logprobs, max_speculative_tokens=self.max_speculative_tokens,
                        ignore_eos=self.ignore_eos, tandem_metrics=self.tandem_metrics, n=self.n,
                        constraint=constraint, skip_special_tokens=self.skip_special_tokens,
-                       include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority)
+                       include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
+                       bad_words=tuple(self.bad_words or ()))
 
     def _bias(self) -> tuple[tuple[int, float], ...] | None:
         if not self.logit_bias:
@@ -147,6 +152,13 @@ class _Common(OpenAIBody):
             return tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items()))
         except ValueError:
             raise RequestError("logit_bias", "keys must be token ids (integers as strings)") from None
+
+    def _allowed(self) -> tuple[int, ...] | None:
+        if self.allowed_token_ids is None:
+            return None
+        if not self.allowed_token_ids:
+            raise RequestError("allowed_token_ids", "must not be empty (leave it out to allow every token)")
+        return tuple(sorted(set(self.allowed_token_ids)))
 
     @property
     def include_usage(self) -> bool:
