@@ -48,7 +48,7 @@ def complete(stack, **body) -> dict:  # noqa: ANN001, ANN003
 def test_bad_words_as_text_equal_transformers_no_bad_words(stack):
     tok, free, target_dir = stack["tok"], stack["free"], stack["dirs"][0]
     word = next(w for w in (tok.decode([t]).strip() for t in free[5:]) if w.isalpha() and len(w) > 1)
-    sequences = [tok(word, add_special_tokens=False)["input_ids"], tok(" " + word, add_special_tokens=False)["input_ids"]]
+    sequences = [tok(text, add_special_tokens=False)["input_ids"] for text in (word, " " + word)]
     assert all(stack["prompt"][-len(s) + 1:] != s[:-1] for s in sequences if len(s) > 1), "prompt ends in a word's head"
     accepted = metric(stack["router"].url, "tandem:spec_decode_num_accepted_tokens_total")
     got = complete(stack, temperature=0, bad_words=[word])["token_ids"]
