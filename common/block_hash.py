@@ -19,12 +19,15 @@ from collections.abc import Sequence
 ROOT = 0  # the parent of a sequence's first block
 
 
-def adapter_root(adapter: str) -> int:
+def adapter_root(adapter: str, weights: str = "") -> int:
     """The parent of the first block of a sequence served with a LoRA adapter ("": the base model,
-    ROOT): the same tokens give other KV under another adapter, so their blocks hash apart."""
+    ROOT): the same tokens give other KV under another adapter, so their blocks hash apart. weights:
+    a fingerprint of the adapter's files, so one loaded again under its name with other weights
+    never reads the KV of the old ones."""
     if not adapter:
         return ROOT
-    return int.from_bytes(hashlib.blake2b(b"lora\0" + adapter.encode(), digest_size=8).digest(), "little")
+    key = b"lora\0" + adapter.encode() + b"\0" + weights.encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:

@@ -9,3 +9,6 @@ MAX_LOGPROBS = 20
 ROUTER_METADATA = "tandem-router"
 # Trailing metadata of a FAILED_PRECONDITION refusal: another router holds the service's lease; its id.
 NOT_OWNER_METADATA = "tandem-not-owner"
+# Trailing metadata of a FAILED_PRECONDITION refusal: a step names a LoRA adapter the target does not hold
+# (it restarted, or lost it): its name. The router loads it again and recomputes, as after a restart.
+MISSING_ADAPTER_METADATA = "tandem-missing-lora"

@@ -16,16 +16,19 @@ A part the adapter does not train contributes nothing (its rows of B stay zero, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import SafetensorError
+from safetensors.torch import load
 
 from common.block_hash import adapter_root
 from engine.config import ModelConfig
+from tandem.v1 import common_pb2
 
 # PEFT's module names -> (the engine's fused projection, which part of it)
 _PARTS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
@@ -50,17 +53,25 @@ class LoraAdapter:
     rank: int
     scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: projection -> (A, B), fused
-    root: int  # its sequences' first block hashes from here (common/block_hash.adapter_root)
+    root: int  # its sequences' first block hashes from here (common/block_hash.adapter_root of name and files)
+    path: str  # the directory it was loaded from
+
+    def info(self) -> common_pb2.LoraAdapterInfo:
+        return common_pb2.LoraAdapterInfo(name=self.name, block_root=self.root, path=self.path)
 
     @classmethod
     def load(cls, name: str, path: str | Path, cfg: ModelConfig, device: torch.device,
              dtype: torch.dtype) -> LoraAdapter:
         path = Path(path)
         try:
-            config = json.loads((path / "adapter_config.json").read_text())
-            tensors = load_file(str(path / "adapter_model.safetensors"))
-        except (OSError, ValueError) as err:
+            config_bytes = (path / "adapter_config.json").read_bytes()
+            weights_bytes = (path / "adapter_model.safetensors").read_bytes()
+            config, tensors = json.loads(config_bytes), load(weights_bytes)
+        except (OSError, ValueError, SafetensorError) as err:
             raise AdapterError(f"adapter {name!r}: {path} is no PEFT LoRA adapter ({err})") from None
+        if not isinstance(config, dict):
+            raise AdapterError(f"adapter {name!r}: {path}/adapter_config.json is no JSON object")
+        fingerprint = hashlib.blake2b(config_bytes + b"\0" + weights_bytes, digest_size=16).hexdigest()
         if config.get("peft_type", "LORA") != "LORA" or config.get("fan_in_fan_out") or \
                 config.get("bias", "none") != "none" or config.get("use_dora") or not isinstance(config.get("r"), int) \
                 or config.get("rank_pattern") or config.get("alpha_pattern"):
@@ -83,7 +94,7 @@ class LoraAdapter:
                                                       rank, device, dtype)
         if not any(layers):
             raise AdapterError(f"adapter {name!r}: no LoRA weights for this model's projections")
-        return cls(name, rank, scale, layers, adapter_root(name))
+        return cls(name, rank, scale, layers, adapter_root(name, fingerprint), str(path))
 
 
 def _parse_key(name: str, key: str) -> tuple[int, str, str]:

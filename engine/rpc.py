@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from common.protocol import CACHE_MISS_METADATA, NOT_OWNER_METADATA
+from common.protocol import CACHE_MISS_METADATA, MISSING_ADAPTER_METADATA, NOT_OWNER_METADATA
 from common.sampling import SamplingParams
 from engine.kv_cache import KVCacheExhausted
 from engine.lease import NotOwner
 from engine.rpc_trace import annotate, rpc_scope
-from engine.runner import CacheMiss, InvalidInput
+from engine.runner import AdapterNotLoaded, CacheMiss, InvalidInput
 from engine.sampling import SamplingSpec, validate_sampling
 from tandem.v1 import common_pb2
 
@@ -54,7 +54,11 @@ def rpc_errors(method: Handler | None = None, *, name: str = "") -> Handler | Ca
 
 async def _abort(rpc: str, e: Exception, context: grpc.aio.ServicerContext) -> None:
     """End the call with the status `e` maps to (abort raises AbortError)."""
-    if isinstance(e, InvalidInput):
+    if isinstance(e, AdapterNotLoaded):
+        log.warning("%s refused: %s", rpc, e)
+        context.set_trailing_metadata(((MISSING_ADAPTER_METADATA, e.adapter),))
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    elif isinstance(e, InvalidInput):
         log.warning("%s refused: %s", rpc, e)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     elif isinstance(e, CacheMiss):
@@ -68,6 +72,9 @@ async def _abort(rpc: str, e: Exception, context: grpc.aio.ServicerContext) -> N
     elif isinstance(e, KVCacheExhausted):
         log.warning("%s: %s", rpc, e)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    elif isinstance(e, Refused):
+        log.warning("%s refused: %s", rpc, e)
+        await context.abort(e.code, str(e))
     elif isinstance(e, DeadlineExpired):
         log.info("%s: %s", rpc, e)
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
@@ -75,6 +82,14 @@ async def _abort(rpc: str, e: Exception, context: grpc.aio.ServicerContext) -> N
         log_id = uuid.uuid4().hex[:12]
         log.error("%s failed [log id %s]", rpc, log_id, exc_info=e)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error (log id {log_id})")
+
+
+class Refused(Exception):
+    """A call the service will not do, with the status code that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class DeadlineExpired(Exception):

@@ -74,6 +74,14 @@ class InvalidInput(ValueError):
         self.field = field
 
 
+class AdapterNotLoaded(InvalidInput):
+    """A sequence names a LoRA adapter the runner does not hold."""
+
+    def __init__(self, field: str, adapter: str) -> None:
+        super().__init__(field, f"no LoRA adapter {adapter!r} is loaded")
+        self.adapter = adapter
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, model_dir: Path | None = None) -> None:
         self.model = model
@@ -193,7 +201,7 @@ class ModelRunner:
             if min(x.tokens) < 0 or max(x.tokens) >= vocab:
                 raise InvalidInput(f"{where}.tokens", f"token id outside [0, {vocab})")
             if x.adapter and x.adapter not in self.adapters:
-                raise InvalidInput(f"{where}.lora", f"no LoRA adapter {x.adapter!r} is loaded")
+                raise AdapterNotLoaded(f"{where}.lora", x.adapter)
             if x.prefix and x.start_pos != len(x.prefix) * self.config.block_size:
                 raise InvalidInput(f"{where}.prefix_block_hashes", f"{len(x.prefix)} blocks of "
                                    f"{self.config.block_size} tokens must end at start_pos {x.start_pos}")

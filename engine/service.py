@@ -197,6 +197,7 @@ class ModelWorker:
             max_draft_tokens=self.max_draft_tokens, max_batch_tokens=r.config.max_batch_tokens,
             eos_token_ids=self.eos_ids, num_sequences=r.blocks.num_sequences, compute_id=self.compute_id,
             prefix_caching=r.blocks.caching, lora_adapters=sorted(r.adapters),
+            lora=[r.adapters[name].info() for name in sorted(r.adapters)],
         )
 
     def release(self, seq_ids: list[int]) -> int:

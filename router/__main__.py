@@ -12,11 +12,11 @@ from common.cli import env_settable
 from common.logs import add_log_args, setup_logging
 from common.tls import TLSError
 from common.tracing import add_tracing_args, tracing_from_args
+from router.adapters import IncompatibleTarget
 from router.config import REASONING_PARSERS, SCHEDULING_POLICIES, TOOL_PARSERS, RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
 from router.lanes import IncompatibleLimits
-from router.replicas import IncompatibleTarget
 from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
 from router.tracing import RouterTracer

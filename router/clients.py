@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from common.protocol import CACHE_MISS_METADATA, NOT_OWNER_METADATA, ROUTER_METADATA
+from common.protocol import CACHE_MISS_METADATA, MISSING_ADAPTER_METADATA, NOT_OWNER_METADATA, ROUTER_METADATA
 from common.tls import ClientTLS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -28,6 +28,14 @@ class CacheMissError(Exception):
 
 class ServiceDown(Exception):
     """Unreachable, timed out or shutting down: the call may be retried once the service is back."""
+
+
+class AdapterMissing(ServiceDown):
+    """The target does not hold a LoRA adapter this router serves (it restarted, or lost it): recover
+    it as a service that came back, which loads the adapter again (router.adapters.admit)."""
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__(f"the target holds no LoRA adapter {adapter!r}")
 
 
 class ServiceError(Exception):
@@ -71,6 +79,8 @@ def _translate(err: grpc.aio.AioRpcError) -> Exception:
                 return CacheMissError([int(s) for s in value.split(",") if s])
             if key == NOT_OWNER_METADATA:
                 return NotOwner(value)
+            if key == MISSING_ADAPTER_METADATA:
+                return AdapterMissing(value)
     if code in _DOWN or (code == grpc.StatusCode.INTERNAL and (err.details() or "").startswith(_CORE_INTERNAL)):
         return ServiceDown(f"{code.name}: {err.details()}")
     if code in _BROKEN:
@@ -259,6 +269,13 @@ class TargetClient(_Client):
 
     async def receive_step(self, ticket: grpc.aio.StreamStreamCall) -> target_pb2.StepResponse:
         return await self.steps.receive(ticket)
+
+    async def load_lora(self, name: str, path: str, timeout_s: float) -> common_pb2.LoraAdapterInfo:
+        return await self._call(self.stub.LoadLoraAdapter, target_pb2.LoadLoraAdapterRequest(name=name, path=path),
+                                timeout_s)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._call(self.stub.UnloadLoraAdapter, target_pb2.UnloadLoraAdapterRequest(name=name), 10.0)
 
     def idle(self) -> None:
         self.steps.idle()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from common.block_hash import adapter_root
+from common.block_hash import ROOT
 from common.sampling import InvalidField, SamplingParams
 from router.lookup import LookupShadow, PromptLookup
 from router.prefix import SeqPrefix
@@ -59,6 +59,7 @@ class Request:
     n: int = 1  # choices: n sequences from one prompt, computed once
     priority: int = 0  # with --scheduling-policy priority: lower is served first (vLLM's convention)
     lora: str = ""  # the LoRA adapter the target runs it with (a model name /v1/models lists); "": the base
+    block_root: int = ROOT  # set by RouterEngine.submit: where its target block hashes start (its adapter's root)
     constraint: Constraint | None = None  # structured output, as the door read it
     grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)
     # A reasoning model's think-end token: the constraint holds from the token after it (the model
@@ -66,11 +67,6 @@ class Request:
     grammar_opens_after: int | None = None
     eos_ids: tuple[int, ...] = ()  # set by RouterEngine.submit: what min_tokens holds back with stop_token_ids
     bad_words: tuple[str, ...] = ()  # vLLM's, as text: RouterEngine.submit adds their tokens to sampling.bad_words
-
-    @cached_property
-    def block_root(self) -> int:
-        """Where its target block hashes start (its LoRA adapter's root; ROOT for the base model)."""
-        return adapter_root(self.lora)
 
     @cached_property
     def sampling_proto(self) -> common_pb2.SamplingParams:

@@ -123,8 +123,17 @@ class RouterEngine:
 
     @property
     def lora_adapters(self) -> list[str]:
-        """The LoRA adapters every target replica serves (its --lora-modules), by name."""
-        return list(self.target_info.lora_adapters) if self.target_info else []
+        """The LoRA adapters every target replica serves (--lora-modules, then runtime loads), by name."""
+        return self.replicas.adapters.names()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """vLLM's runtime LoRA loading: on every replica up (one down gets it when it is back)."""
+        await self.replicas.adapters.load([lane.target for lane in self.lanes.values() if lane.up], name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Once the requests running with it have finished (new ones are refused meanwhile)."""
+        await self.replicas.adapters.unload([lane.target for lane in self.lanes.values()], name,
+                                            lambda: sum(1 for seq in self._seqs.values() if seq.request.lora == name))
 
     def model_lora(self, model: str, served: str) -> str | None:
         """The adapter a request's model names: "" for the served model itself, None for no model served here."""
@@ -211,7 +220,7 @@ class RouterEngine:
         assert lane.loop is not None, "a lane is listed once its loop runs"
         eos = tuple(self.target_info.eos_token_ids) if self.target_info else ()
         grammar = self.grammars.compile(req.constraint) if req.constraint is not None else ""
-        req = dataclasses.replace(req, eos_ids=eos, grammar=grammar)
+        req = dataclasses.replace(req, eos_ids=eos, grammar=grammar, block_root=self.replicas.adapters.root(req.lora))
         seqs: list[Sequence] = []
         for i in range(req.n):  # one lane for all: the siblings fork the first one's prompt there
             choice = req if i == 0 else dataclasses.replace(req, sampling=req.sampling.for_choice(i))

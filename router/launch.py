@@ -64,6 +64,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
                    help="LoRA adapters (PEFT directories) the target serves, each a model name requests may ask "
                         "for (the target's flag; the draft proposes with the base model)")
+    p.add_argument("--enable-runtime-lora", action="store_true",
+                   help="LoRA adapters may be loaded and unloaded while serving: POST /v1/load_lora_adapter "
+                        "{\"lora_name\", \"lora_path\"} and /v1/unload_lora_adapter (vLLM's; the target's flag)")
     p.add_argument("--service-arg", action="append", default=[], help="extra flag for both services (repeat)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeat)")
     return env_settable(p)
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -
     stack = Stack(target_dir, draft_dir, served_model_name=args.served_model_name or pair_name, host=args.host,
                   http_port=args.port, grpc_port=args.grpc_port, target_port=args.target_port,
                   draft_port=args.draft_port, service_args=args.service_arg,
-                  target_args=["--lora-modules", *args.lora_modules] if args.lora_modules else [],
+                  target_args=(["--lora-modules", *args.lora_modules] if args.lora_modules else [])
+                  + (["--enable-runtime-lora"] if args.enable_runtime_lora else []),
                   router_args=[*_parsers(args), *args.router_arg])
     signal.signal(signal.SIGTERM, _interrupt)
     interrupted = False

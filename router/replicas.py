@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from router.adapters import Adapters, IncompatibleTarget
 from router.clients import NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
 from router.core import FinishReason, Sequence, ServiceUnavailable, TokenLogprob
@@ -23,10 +24,6 @@ GAUGE_PERIOD_S = 0.1  # queue and KV gauges: refreshed at most this often, not e
 PROBE_PERIOD_S = 2.0  # an idle lane asks its target how it is this often (/ready must not lie while idle)
 
 
-class IncompatibleTarget(RuntimeError):
-    """The target does not use the router's tokenizer."""
-
-
 class Replicas:
     def __init__(self, config: RouterConfig, metrics: Metrics, targets: Discovery, drafts: Discovery | None,
                  fingerprint: str,
@@ -38,6 +35,7 @@ class Replicas:
         self._emit, self._finish = emit, finish
         self.lanes: dict[str, Lane] = {}
         self.target_info: common_pb2.ModelInfo | None = None  # the first target's; all must agree
+        self.adapters = Adapters()  # the LoRA adapters served (the first target's, then runtime updates)
         self.ownership = Ownership(config)
         self._refresh: asyncio.Task | None = None
         self._gauges_at = 0.0
@@ -78,26 +76,30 @@ class Replicas:
                 errors.append(f"{address}: {err}")
                 await target.close()
                 continue
-            self.check(lane.info)
+            try:
+                await self.check(target, lane.info)  # may load LoRA adapters it lacks
+            except ServiceDown as err:
+                errors.append(f"{address}: {err}")
+                await lane.draft.close()
+                await target.close()
+                continue
             self._start_lane(lane)
         for name in [n for n in self.lanes if n not in addresses and self.targets.dynamic]:
             await self._retire(self.lanes[name])
         return errors
 
-    def check(self, info: common_pb2.ModelInfo) -> None:
+    async def check(self, target: TargetClient, info: common_pb2.ModelInfo) -> None:
         if info.tokenizer_fingerprint and self.fingerprint and info.tokenizer_fingerprint != self.fingerprint:
             raise IncompatibleTarget(f"target {info.model_id!r} uses a different tokenizer than the router's")
         if self.target_info is not None and info.vocab_size != self.target_info.vocab_size:
             raise IncompatibleTarget(f"target {info.model_id!r} is a different model (vocab {info.vocab_size} "
                                      f"vs {self.target_info.vocab_size})")
-        if self.target_info is not None and set(info.lora_adapters) != set(self.target_info.lora_adapters):
-            raise IncompatibleTarget(f"target {info.model_id!r} serves LoRA adapters {sorted(info.lora_adapters)}, "
-                                     f"the others {sorted(self.target_info.lora_adapters)}: start every replica with "
-                                     "the same --lora-modules")
+        await self.adapters.admit(target, info)
 
     def _start_lane(self, lane: Lane) -> None:
         if self.target_info is None:
             self.target_info = lane.info
+            self.adapters.adopt(lane.info)
         lane.loop = StepLoop(self.config, lane.scheduler, lane.target, lane.draft, self.metrics,
                              min(lane.info.max_model_len, self.target_info.max_model_len),
                              lane.info.max_draft_tokens or self.config.k_max, self._emit, self._finish,
@@ -236,7 +238,11 @@ class Replicas:
     async def _probe(self, lane: Lane) -> None:
         lane.contact = time.monotonic()
         try:
-            await lane.target.info(timeout_s=5.0)
+            info = await lane.target.info(timeout_s=5.0)
+            if not self.adapters.held_by(info):
+                log.warning("target replica %s lacks LoRA adapters this router serves (a restart?): recovering it",
+                            lane.name)
+                self._lost(lane)  # its recovery loads them again (Adapters.admit)
         except ServiceDown as err:
             if "DEADLINE_EXCEEDED" in str(err):
                 log.warning("target replica %s is slow to answer a probe: %s", lane.name, err)
@@ -251,7 +257,7 @@ class Replicas:
             if not await self.ownership.claim(lane.target):
                 raise NotOwner(self.ownership.elsewhere.get(lane.name, ""))
             info = await lane.target.info(timeout_s=2.0)
-            self.check(info)
+            await self.check(lane.target, info)
         except (ServiceDown, Rejected, ServiceError, NotOwner, IncompatibleTarget) as err:
             self.relocate(lane)  # requests that arrived meanwhile, when another replica can take them
             waited = time.monotonic() - lane.down_since

@@ -17,6 +17,7 @@ from engine.parallel import SINGLE, check_shardable
 from engine.runner import ModelRunner
 from engine.service import add_model_args, checked_engine_config, load_runner, model_thread, serve
 from engine.transport import Transport, transport_from_args
+from target_service.adapters import DEFAULT_MAX_LORAS
 from target_service.server import SERVICE_NAME, create_servicer, register
 from target_service.tp_workers import Followers, rank_config
 
@@ -38,6 +39,13 @@ def build_parser(prog: str = "python -m target_service") -> argparse.ArgumentPar
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
                         help="LoRA adapters (PEFT directories: adapter_config.json, adapter_model.safetensors) that "
                              "requests may name as their model (vLLM's flag). One rank only")
+    parser.add_argument("--enable-runtime-lora", action="store_true",
+                        help="let the router load and unload LoRA adapters while serving (its /v1/load_lora_adapter "
+                             "and /v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): it names a "
+                             "directory on this machine, which this service then reads")
+    parser.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS,
+                        help="the most LoRA adapters held at once, --lora-modules included (each takes memory "
+                             "beside the KV cache)")
     parser.add_argument("--fail-on-token", type=int, default=-1, help=argparse.SUPPRESS)  # fault injection (tests)
     return env_settable(parser)
 
@@ -48,6 +56,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m target_service") 
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be >= 1")
     adapters = _lora_modules(parser, args.lora_modules)
+    if args.max_loras < len(adapters):
+        parser.error(f"--max-loras {args.max_loras} is fewer than the {len(adapters)} --lora-modules")
+    if args.enable_runtime_lora and args.tensor_parallel_size > 1:
+        parser.error("--enable-runtime-lora: LoRA adapters are served with one tensor-parallel rank only")
     if adapters and args.tensor_parallel_size > 1:
         parser.error("--lora-modules: LoRA adapters are served with one tensor-parallel rank only")
     transport = transport_from_args(args)  # unusable certificate files fail in seconds, not after the load
@@ -90,7 +102,8 @@ def _lora_modules(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str
 
 def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport, thread: ThreadPoolExecutor) -> int:
     tracing = tracing_from_args(args, "tandem-target")
-    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, tracing, args.fail_on_token, thread)
+    servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, tracing, args.fail_on_token, thread,
+                               args.enable_runtime_lora, args.max_loras)
     tp = runner.tp if runner.tp is not SINGLE else None
     log.info("target %s: max_draft_tokens %d%s", servicer.worker.model_id, args.max_draft_tokens,
              f"; tensor parallel over {tp.size} ranks" if tp else "")

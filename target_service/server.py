@@ -25,6 +25,7 @@ from engine.streams import CallStreams, request_deadline
 from engine.transfer import to_lists
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.acceptance import Verification, accept
+from target_service.adapters import DEFAULT_MAX_LORAS, RuntimeAdapters
 from target_service.chaining import Chain, remember, resolve_chained
 from target_service.parsing import Entry, StepParser
 
@@ -34,8 +35,10 @@ SERVICE_NAME = "tandem.v1.TargetService"
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     rpc_service = SERVICE_NAME
 
-    def __init__(self, worker: ModelWorker, tracing: Tracing | None = None, fail_on_token: int = -1) -> None:
+    def __init__(self, worker: ModelWorker, tracing: Tracing | None = None, fail_on_token: int = -1,
+                 adapters: RuntimeAdapters | None = None) -> None:
         self.worker = worker
+        self.adapters = adapters or RuntimeAdapters(worker, enabled=False)  # LoadLoraAdapter / UnloadLoraAdapter
         self.fail_on_token = fail_on_token  # fault injection for tests: a Step starting a sequence with it fails
         self.runner: ModelRunner = worker.runner
         self.tracing = tracing  # spans for calls that carry a trace context (engine.rpc_trace)
@@ -88,6 +91,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Lease(self, request: common_pb2.LeaseRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.LeaseResponse:
         return await self.worker.lease_rpc(request)
+
+    @rpc_errors
+    async def LoadLoraAdapter(self, request: target_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.LoraAdapterInfo:
+        self.worker.lease.check(context)
+        return await self.adapters.load(request.name, request.path)
+
+    @rpc_errors
+    async def UnloadLoraAdapter(self, request: target_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> target_pb2.UnloadLoraAdapterResponse:
+        self.worker.lease.check(context)
+        await self.adapters.unload(request.name)
+        return target_pb2.UnloadLoraAdapterResponse()
 
     # ---- the step (model thread) ----------------------------------------------------------
     @torch.inference_mode()
@@ -220,9 +236,12 @@ def _tokens(request: target_pb2.StepRequest) -> int:
 
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
                     tracing: Tracing | None = None, fail_on_token: int = -1,
-                    thread: ThreadPoolExecutor | None = None) -> TargetServicer:
-    """thread: the model thread the runner loaded on (engine.service.model_thread), if any."""
-    return TargetServicer(ModelWorker(runner, model_id, max_draft_tokens, thread), tracing, fail_on_token)
+                    thread: ThreadPoolExecutor | None = None, runtime_lora: bool = False,
+                    max_loras: int = DEFAULT_MAX_LORAS) -> TargetServicer:
+    """thread: the model thread the runner loaded on (engine.service.model_thread), if any;
+    runtime_lora: LoRA adapters may be loaded and unloaded while serving (at most max_loras held)."""
+    worker = ModelWorker(runner, model_id, max_draft_tokens, thread)
+    return TargetServicer(worker, tracing, fail_on_token, RuntimeAdapters(worker, runtime_lora, max_loras))
 
 
 def register(server: grpc.aio.Server, servicer: TargetServicer) -> None:

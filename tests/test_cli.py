@@ -91,7 +91,9 @@ def test_lora_modules_are_checked_before_anything_loads(tmp_path, capsys):
     ok = f"a={tmp_path}"
     for argv, says in ((["--lora-modules", "sql"], "NAME=DIR"), (["--lora-modules", f"{ok}/none"], "no directory"),
                        (["--lora-modules", ok, ok], "a name of its own"),
-                       (["--lora-modules", ok, "--tensor-parallel-size", "2"], "one tensor-parallel rank")):
+                       (["--lora-modules", ok, "--tensor-parallel-size", "2"], "one tensor-parallel rank"),
+                       (["--enable-runtime-lora", "--tensor-parallel-size", "2"], "one tensor-parallel rank"),
+                       (["--lora-modules", ok, "--max-loras", "0"], "fewer than the 1 --lora-modules")):
         with pytest.raises(SystemExit) as exit_:
             target_main(["--model", str(tmp_path), *argv])
         assert exit_.value.code == 2 and says in capsys.readouterr().err, argv

@@ -40,7 +40,8 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
     adapter = write_adapter(target_dir, tmp_path / "sql", seed=0)
     proc = subprocess.Popen([sys.executable, "-m", "router.launch", str(pair), "--port", str(port),
                              "--grpc-port", ports[0], "--target-port", ports[1], "--draft-port", ports[2],
-                             "--tool-call-parser", "hermes", "--lora-modules", f"sql={adapter}"],
+                             "--tool-call-parser", "hermes", "--lora-modules", f"sql={adapter}",
+                             "--enable-runtime-lora"],
                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     try:
         out = ""
@@ -69,6 +70,13 @@ def test_serve_a_pair_directory_end_to_end(model_pair, tmp_path):
                                                      "temperature": 0, "ignore_eos": True,
                                                      "messages": [{"role": "user", "content": "hi"}]})
         assert auto["choices"][0]["finish_reason"] == "length", "--tool-call-parser reached the router: auto is served"
+        req = urllib.request.Request(f"{base}/v1/load_lora_adapter", data=json.dumps(
+            {"lora_name": "poet", "lora_path": str(write_adapter(target_dir, tmp_path / "poet", seed=1))}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:  # noqa: S310 - loopback
+            assert r.read().decode() == "Success: LoRA adapter 'poet' added successfully.", \
+                "--enable-runtime-lora reached the target"
+        assert [m["id"] for m in _get(f"{base}/v1/models")["data"]] == [pair.name, "poet", "sql"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         stderr = Path(err.name).read_text()

@@ -109,9 +109,10 @@ def test_an_adapters_blocks_hash_apart_from_the_base_models(runner):
     runner.forward([SeqInput(1, 0, tokens, adapter="sql"), SeqInput(2, 0, tokens)])
     for seq in (1, 2):
         runner.commit(seq, len(tokens))
-    base, sql = chain_hashes(tokens, 4, ROOT), chain_hashes(tokens, 4, adapter_root("sql"))
+    base, sql = chain_hashes(tokens, 4, ROOT), chain_hashes(tokens, 4, runner.adapters["sql"].root)
     assert runner.prefix.holds(base) and runner.prefix.holds(sql) and set(base).isdisjoint(sql)
-    assert not runner.prefix.holds(chain_hashes(tokens, 4, adapter_root("poet"))), "nothing cached for poet"
+    assert not runner.prefix.holds(chain_hashes(tokens, 4, runner.adapters["poet"].root)), "nothing cached for poet"
+    assert runner.adapters["sql"].root not in (ROOT, adapter_root("sql")), "the root also hashes the adapter's files"
     runner.release([1, 2])
 
 

@@ -1,6 +1,7 @@
 """HTTP front door (FastAPI): OpenAI-compatible completions, chat and responses (SSE streaming),
-Anthropic's messages, vLLM's tokenize and detokenize, models, health, readiness and Prometheus
-metrics. Errors use OpenAI's shape (Anthropic's on its routes) and name the bad field.
+Anthropic's messages, vLLM's tokenize, detokenize and runtime LoRA updates (gateway.lora_api),
+models, health, readiness and Prometheus metrics. Errors use OpenAI's shape (Anthropic's on its
+routes) and name the bad field.
 
 Nothing heavy runs on the event loop: the body is read with a hard byte limit (router.gateway.http_body),
 large bodies are parsed and every prompt is tokenized on the codec's thread pool."""
@@ -34,6 +35,7 @@ from router.gateway.http_body import (
     public_error,
     read_body,
 )
+from router.gateway.lora_api import add_lora_routes
 from router.gateway.messages_body import MessagesBody
 from router.gateway.messages_format import MessagesFormat, anthropic_error
 from router.gateway.openai_format import ChatFormat, CompletionFormat
@@ -237,6 +239,8 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             return JSONResponse({"prompt": await engine.codec.decode(body.tokens)})
         except Refusal as e:
             return e.response
+
+    add_lora_routes(app, engine, model_name)
 
     @app.get("/v1/models")
     async def models() -> dict:
