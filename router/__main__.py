@@ -46,6 +46,9 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0,
                    help="longest sequence served (0: what the target and both KV caches allow)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue length before 429")
+    p.add_argument("--max-stored-responses", type=int, default=d.max_stored_responses,
+                   help="Responses API answers kept in this router's memory for previous_response_id and "
+                        "GET /v1/responses/{id} (the least recently stored go first); 0 keeps none")
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
                    help="fcfs: first come, first served (the newest running request is preempted when KV runs "
                         "out); priority: each request's `priority` (lower first, as vLLM's; ties by arrival) orders "
@@ -101,7 +104,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=args.scheduling_policy, max_stored_responses=args.max_stored_responses,
         k_max=args.num_speculative_tokens,
         dynamic_k=not args.no_dynamic_k, pipeline=not args.no_pipeline, chunked_prefill=not args.no_chunked_prefill,
         chain_steps=not args.no_chain_steps,

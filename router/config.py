@@ -25,6 +25,7 @@ class RouterConfig:
     max_waiting: int = 256  # queued requests beyond which new ones get 429
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders, admits and preempts
     max_body_bytes: int = 2 * 2**20  # HTTP request bodies past this get 413 (as TGI's --payload-limit)
+    max_stored_responses: int = 1024  # Responses API answers kept for previous_response_id; 0: none kept
     k_max: int = 4  # largest speculation length per sequence per step
     dynamic_k: bool = True  # choose k per sequence from acceptance and load; else always k_max
     pipeline: bool = True  # draft proposes step t+1 while the target scores step t
@@ -51,8 +52,8 @@ class RouterConfig:
             raise ValueError("max_num_seqs must not exceed max_num_batched_tokens: every decode needs a token")
         if not 0 <= self.k_max <= 16:
             raise ValueError("k_max must be in [0, 16]")
-        if self.max_waiting < 0 or self.max_model_len < 0 or self.max_body_bytes < 1024:
-            raise ValueError("max_waiting and max_model_len must be >= 0, max_body_bytes >= 1024")
+        if min(self.max_waiting, self.max_model_len, self.max_stored_responses) < 0 or self.max_body_bytes < 1024:
+            raise ValueError("max_waiting, max_model_len and max_stored_responses must be >= 0, max_body_bytes >= 1024")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.tool_call_parser not in (None, *TOOL_PARSERS):

@@ -7,7 +7,8 @@
 - tools: a named or required call comes back as function_call items; a function_call and its
   function_call_output sent back as input continue the conversation; text.format constrains the text
 - the history's items become the chat messages they mean
-- what a stateless server cannot do (previous_response_id, built-in tools, background) is a 400 naming it
+- what Tandem does not do (conversation objects, built-in tools, background) is a 400 naming it
+  (stored responses and previous_response_id: tests/test_responses_store.py)
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ def test_input_items_become_the_chat_messages_they_mean():
 
 
 @pytest.mark.parametrize("fields,field", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"background": True}, "background"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
 ])
-def test_what_a_stateless_text_server_cannot_do_names_its_field(fields, field):
+def test_what_tandem_does_not_do_names_its_field(fields, field):
     with pytest.raises(RequestError) as err:
         ResponsesBody(**{"model": "m", "input": "hi", **fields}).chat()
     assert err.value.field == field
@@ -127,7 +128,7 @@ def test_calls_come_back_as_function_call_items_and_their_outputs_continue(stack
 def test_refusals_are_openai_errors(stack):
     r = httpx.post(f"{stack['router'].url}/v1/responses", json={"model": "tiny", "input": "hi",
                                                                 "previous_response_id": "resp_1"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     r = httpx.post(f"{stack['router'].url}/v1/responses", json={"model": "tiny", "input": "hi", "modalities": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "modalities"
 

@@ -44,6 +44,7 @@ from router.gateway.reasoning import CLOSE as THINK_END
 from router.gateway.reasoning import Reasoning
 from router.gateway.responses_body import ResponsesBody
 from router.gateway.responses_format import ResponsesFormat
+from router.gateway.responses_store import ResponseNotFound, ResponseStore, add_stored_response_routes
 from router.request_stats import report
 from router.tracing import RouterTracer
 
@@ -53,6 +54,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
                   telemetry=_telemetry(engine.config.tracer))
 
     app.add_middleware(HTTPCounts, counter=engine.metrics.http_requests)
+    stored = ResponseStore(engine.config.max_stored_responses)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -133,12 +135,19 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        """OpenAI's Responses API, stateless: the chat request it means (router.gateway.responses_body), its answer
-        as output items and semantic events (router.gateway.responses_format)."""
+        """OpenAI's Responses API: the chat request it means (router.gateway.responses_body), its answer as
+        output items and semantic events (router.gateway.responses_format), kept when stored
+        (router.gateway.responses_store)."""
         try:
             body = await parse(request, ResponsesBody)
-            req, chat = await chat_request(body.chat(), f"resp-{uuid.uuid4().hex}")
-            return await respond(request, body, engine.submit(req), ResponsesFormat(chat, body, body.model))
+            previous = body.previous_response_id
+            req, chat = await chat_request(body.chat(stored.history(previous) if previous else None),
+                                           f"resp-{uuid.uuid4().hex}")
+            keep = functools.partial(stored.put, inputs=body.input_items(), previous=previous) \
+                if body.store and stored.capacity else None
+            return await respond(request, body, engine.submit(req), ResponsesFormat(chat, body, body.model, keep))
+        except ResponseNotFound as e:
+            return error(404, str(e), "previous_response_id", "not_found_error")
         except Refusal as e:
             return e.response
         except (RequestError, Overloaded, ServiceUnavailable) as e:
@@ -241,6 +250,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             return e.response
 
     add_lora_routes(app, engine, model_name)
+    add_stored_response_routes(app, stored)
 
     @app.get("/v1/models")
     async def models() -> dict:

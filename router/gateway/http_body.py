@@ -107,7 +107,7 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise Refusal(error(400, f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
                                  f"(Tandem does not implement {'them' if len(unknown) > 1 else 'it'})", unknown[0]))
     try:
-        return model.model_validate({k: v for k, v in data.items() if k not in HARMLESS})
+        return model.model_validate({k: v for k, v in data.items() if k not in HARMLESS or k in model.model_fields})
     except ValidationError as err:
         loc, msg = _describe(err.errors())
         raise Refusal(error(400, f"{loc}: {msg}", loc or None)) from None

@@ -10,9 +10,11 @@
     text.format                   response_format (json_schema, json_object)
     max_output_tokens, top_logprobs, temperature, top_p ...   their chat fields
 
-Stateless: `store` is accepted and nothing is kept, so `previous_response_id` and `conversation`
-are a 400 (send the history as input items). Anything else Tandem does not do (built-in tools,
-images, background) is a 400 naming the field, never ignored.
+    previous_response_id          the stored conversation's items first (router.gateway.responses_store)
+
+`conversation` objects are a 400 (continue with previous_response_id, or send the history as input
+items). Anything else Tandem does not do (built-in tools, images, background) is a 400 naming the
+field, never ignored.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class ResponsesBody(OpenAIBody):
     tool_choice: StrictStr | dict | None = None
     parallel_tool_calls: StrictBool | None = None
     text: dict | None = None
-    store: StrictBool = True  # accepted; nothing is stored
+    store: StrictBool = True  # kept for previous_response_id and GET /v1/responses/{id} (OpenAI's default)
     previous_response_id: StrictStr | None = None
     conversation: StrictStr | dict | None = None
     include: list[StrictStr] | None = None
@@ -53,12 +55,18 @@ class ResponsesBody(OpenAIBody):
     include_usage: ClassVar[bool] = False  # the usage is in response.completed, always
     continuous_usage: ClassVar[bool] = False
 
-    def chat(self) -> ChatBody:
-        """The chat request this one means (every field checked there as on /v1/chat/completions)."""
-        for name in ("previous_response_id", "conversation"):
-            if getattr(self, name) is not None:
-                raise RequestError(name, "not supported: Tandem stores no responses; send the history as input "
-                                         "items")
+    def input_items(self) -> list[dict]:
+        """This turn's input as items (a text is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return self.input
+
+    def chat(self, history: list[dict] | None = None) -> ChatBody:
+        """The chat request this one means (every field checked there as on /v1/chat/completions).
+        history: the items of the stored conversation previous_response_id continues."""
+        if self.conversation is not None:
+            raise RequestError("conversation", "not supported: continue with previous_response_id, or send the "
+                                               "history as input items")
         if self.include:
             raise RequestError("include", f"not supported: {', '.join(self.include)}")
         if self.background:
@@ -66,7 +74,7 @@ class ResponsesBody(OpenAIBody):
         if self.truncation not in (None, "disabled"):
             raise RequestError("truncation", 'only "disabled" (a prompt past the context is a 400)')
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else []) + \
-            (_messages(self.input) if isinstance(self.input, list) else [{"role": "user", "content": self.input}])
+            _messages([*(history or []), *self.input_items()], first=-len(history or []))
         fields = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
                   "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                   "seed": self.seed, "ignore_eos": self.ignore_eos, "parallel_tool_calls": self.parallel_tool_calls,
@@ -94,9 +102,10 @@ def _text(content: object, field: str) -> str:
     return "".join(parts)
 
 
-def _messages(items: list[dict]) -> list[dict]:
+def _messages(items: list[dict], first: int = 0) -> list[dict]:
     """Input items as chat messages. A function_call joins the assistant turn just before it (its
-    text, or its other calls); a reasoning item is the next assistant turn's reasoning_content."""
+    text, or its other calls); a reasoning item is the next assistant turn's reasoning_content.
+    first: the index errors give the first item (the stored history's come before input.0)."""
     out: list[dict] = []
     thinking: str | None = None
 
@@ -108,7 +117,7 @@ def _messages(items: list[dict]) -> list[dict]:
         out.append(message)
         return message
 
-    for i, item in enumerate(items):
+    for i, item in enumerate(items, start=first):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from router.core import Delta
@@ -35,8 +36,10 @@ def _id(prefix: str) -> str:
 
 
 class ResponsesFormat:
-    def __init__(self, chat: ChatFormat, body: ResponsesBody, model: str) -> None:
-        self.chat, self.body, self.model = chat, body, model
+    def __init__(self, chat: ChatFormat, body: ResponsesBody, model: str,
+                 keep: Callable[[dict], None] | None = None) -> None:
+        """keep: stores the finished response (router.gateway.responses_store); None: not stored."""
+        self.chat, self.body, self.model, self.keep = chat, body, model, keep
         self.id, self.created = _id("resp"), time.time()
         self.seq = 0
         self.output: list[dict] = []  # the items written so far
@@ -62,7 +65,13 @@ class ResponsesFormat:
                                           text=call["function"]["arguments"]))
         if self.output and self.finish == "length":
             self.output[-1]["status"] = "incomplete"
-        return self._response(deltas)
+        return self._finished(deltas)
+
+    def _finished(self, deltas: list[Delta]) -> dict:
+        response = self._response(deltas)
+        if self.keep is not None:
+            self.keep(response)
+        return response
 
     def _item(self, kind: str, text: str = "", status: str = "completed", **fields: str) -> dict:
         item: dict[str, Any] = {"id": _id({"message": "msg", "reasoning": "rs"}.get(kind, "fc")), "type": kind,
@@ -86,7 +95,7 @@ class ResponsesFormat:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": body.previous_response_id, "reasoning": None, "store": self.keep is not None,
             "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled",
             "metadata": {}, "usage": None if usage is None else {
@@ -134,7 +143,7 @@ class ResponsesFormat:
         if failed:
             return []
         out = self._close("incomplete" if self.finish == "length" else "completed")
-        response = self._response(seen)
+        response = self._finished(seen)
         return [*out, self._event("response.incomplete" if response["status"] == "incomplete"
                                   else "response.completed", response=response)]
 

@@ -1,0 +1,104 @@
+"""Stored responses (OpenAI's Responses API `store`, its default), read by the official openai client:
+
+- a response continued with previous_response_id is the chat answer to the whole conversation (the
+  stored turns' input and output, then the new input; the earlier instructions not carried over),
+  token for token, streamed or not
+- a stored response reads back (retrieve), lists the items it answered (input_items), and is
+  forgotten (delete); store false keeps nothing; a turn whose ancestor is gone is a 404 naming it
+- the store keeps the most recent --max-stored-responses and none at 0
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from router.config import RouterConfig
+from router.gateway.responses_store import ResponseNotFound, ResponseStore
+from tests.stack import running_stack
+
+SAMPLING = {"temperature": 0, "max_output_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def _response(rid: str, text: str) -> dict:
+    return {"id": rid, "output": [{"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": text}]}]}
+
+
+def test_the_store_chains_turns_and_forgets_the_oldest():
+    store = ResponseStore(capacity=3)
+    store.put(_response("r1", "a1"), [{"role": "user", "content": "q1"}], None)
+    store.put(_response("r2", "a2"), [{"role": "user", "content": "q2"}], "r1")
+    assert [i.get("content") for i in store.history("r2")][::2] == ["q1", "q2"]
+    assert [i["content"] for i in store.input_items("r2")[:1]] == ["q1"] and len(store.input_items("r2")) == 3
+    store.put(_response("r3", "a3"), [], "r2")
+    store.put(_response("r4", "a4"), [], "r3")  # r1 goes
+    with pytest.raises(ResponseNotFound, match="'r3'.*continues 'r1', which is no longer stored"):
+        store.history("r3")
+    assert store.get("r4")["id"] == "r4"
+    store.delete("r4")
+    with pytest.raises(ResponseNotFound):
+        store.get("r4")
+    nothing = ResponseStore(capacity=0)
+    nothing.put(_response("r1", "a1"), [], None)
+    with pytest.raises(ResponseNotFound, match="--max-stored-responses 0"):
+        nothing.history("r1")
+
+
+@pytest.fixture(scope="module")
+def stack(model_pair):
+    config = RouterConfig(max_num_batched_tokens=128, max_num_seqs=16, draft_timeout_s=5.0, target_grace_s=2.0)
+    with running_stack(model_pair, config) as s:
+        s["client"] = OpenAI(base_url=f"{s['router'].url}/v1", api_key="unused", max_retries=0)
+        yield s
+
+
+def _chat(url: str, messages: list[dict]) -> str:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "temperature": 0, "max_tokens": 12, "ignore_eos": True, "messages": messages})
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_a_continued_response_answers_the_whole_conversation(stack):
+    client, url = stack["client"], stack["router"].url
+    first = client.responses.create(model="tiny", instructions="Be brief.", input="My name is Ada", **SAMPLING)
+    assert first.store and first.previous_response_id is None
+    second = client.responses.create(model="tiny", input="What is my name?", previous_response_id=first.id,
+                                     **SAMPLING)
+    turns = [{"role": "user", "content": "My name is Ada"}, {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": "What is my name?"}]
+    assert second.output_text == _chat(url, turns), "the history, not the first turn's instructions"
+    assert second.previous_response_id == first.id
+    with client.responses.stream(model="tiny", input=[{"role": "user", "content": "And yours?"}],
+                                 previous_response_id=second.id, **SAMPLING) as s:
+        events = list(s)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    want = _chat(url, [*turns, {"role": "assistant", "content": second.output_text},
+                       {"role": "user", "content": "And yours?"}])
+    assert "".join(deltas) == want
+    streamed = stack["client"].responses.retrieve(events[0].response.id)  # stored when the stream ended
+    assert streamed.output_text == want and streamed.previous_response_id == second.id
+    listed = client.responses.input_items.list(second.id)
+    assert [getattr(i, "role", None) for i in listed.data] == ["user", "assistant", "user"]
+
+
+def test_stored_responses_read_back_list_and_are_deleted(stack):
+    client = stack["client"]
+    kept = client.responses.create(model="tiny", input="Hello", **SAMPLING)
+    again = client.responses.retrieve(kept.id)
+    assert again.id == kept.id and again.output_text == kept.output_text and again.status == kept.status
+    follow = client.responses.create(model="tiny", input="More", previous_response_id=kept.id, **SAMPLING)
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    r = httpx.post(f"{stack['router'].url}/v1/responses", json={
+        "model": "tiny", "input": "Still?", "previous_response_id": follow.id})
+    assert r.status_code == 404 and kept.id in r.json()["error"]["message"], r.text
+    unkept = client.responses.create(model="tiny", input="Hello", store=False, **SAMPLING)
+    assert not unkept.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete("resp_nothing")
