@@ -18,9 +18,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import Counter
 from pydantic import BaseModel
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.logs import bind
 from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
@@ -35,6 +33,7 @@ from router.gateway.http_body import (
     public_error,
     read_body,
 )
+from router.gateway.http_counts import HTTPCounts
 from router.gateway.lora_api import add_lora_routes
 from router.gateway.messages_body import MessagesBody
 from router.gateway.messages_format import MessagesFormat, anthropic_error
@@ -281,30 +280,6 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-class HTTPCounts:
-    """Counts every answer by route and status (tandem:http_requests): a 400 or a 429 never reaches the
-    engine's counters. A path no route serves counts as 'other' (the label's values stay few)."""
-
-    def __init__(self, app: ASGIApp, counter: Counter) -> None:
-        self.app, self.counter = app, counter
-        self.routes: set[str] | None = None  # the app's paths, read at the first request (all routes are in by then)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.routes is None:
-            self.routes = {getattr(r, "path", "") for r in scope["app"].routes}
-        route = scope["path"] if scope["path"] in self.routes else "other"
-
-        async def counted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                self.counter.labels(route=route, status=str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counted)
 
 
 def _telemetry(tracer: RouterTracer | None) -> dict:
