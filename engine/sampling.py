@@ -131,9 +131,11 @@ def truncate_top(probs: torch.Tensor, n: int, mass: float = 1.0) -> tuple[torch.
 
 def logprobs_of(
     logits: torch.Tensor, tokens: torch.Tensor, top_n: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw-distribution logprob of each row's token, and its top_n alternatives (ids, logprobs)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw-distribution logprob of each row's token, its rank (1 + the tokens more likely), and its
+    top_n alternatives (ids, logprobs)."""
     logp = logits.float().log_softmax(-1)
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    rank = (logp > chosen[:, None]).sum(-1) + 1
     top_lp, top_ids = logp.topk(top_n, dim=-1) if top_n > 0 else (logp[:, :0], tokens[:, None][:, :0])
-    return chosen, top_ids, top_lp
+    return chosen, rank, top_ids, top_lp

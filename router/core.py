@@ -91,6 +91,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0  # 1 + the tokens more likely than it (0: not reported)
 
 
 @dataclass

@@ -120,7 +120,7 @@ async def _check(delta: Delta, context: grpc.aio.ServicerContext) -> None:
 
 def _wire(lps: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
     return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
-                                    top_logprobs=[v for _, v in lp.top]) for lp in lps]
+                                    top_logprobs=[v for _, v in lp.top], rank=lp.rank) for lp in lps]
 
 
 def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> generate_pb2.GenerateResponse:

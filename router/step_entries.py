@@ -74,7 +74,7 @@ def logprobs_of(res: target_pb2.EntryResult) -> list[TokenLogprob] | None:
 
 
 def _converted(lps: Iterable[common_pb2.TokenLogprob]) -> list[TokenLogprob]:
-    return [TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
+    return [TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True)), lp.rank)
             for lp in lps]
 
 

@@ -216,13 +216,13 @@ def _logprobs(wanted: list[tuple[int, torch.Tensor, list[int], int]]) -> list[tu
         return []
     rows = torch.cat([r for _, r, _, _ in wanted])
     tokens = torch.tensor([t for _, _, toks, _ in wanted for t in toks], device=rows.device)
-    chosen, top_ids, top_lp = logprobs_of(rows, tokens, max(m for *_, m in wanted))
-    chosen_l, ids_l, lp_l = to_lists(chosen, top_ids, top_lp)
+    chosen, rank, top_ids, top_lp = logprobs_of(rows, tokens, max(m for *_, m in wanted))
+    chosen_l, rank_l, ids_l, lp_l = to_lists(chosen, rank, top_ids, top_lp)
     out, row = [], 0
     for n, _, toks, m in wanted:
         for t in toks:
             out.append((n, common_pb2.TokenLogprob(token_id=t, logprob=chosen_l[row], top_token_ids=ids_l[row][:m],
-                                                   top_logprobs=lp_l[row][:m])))
+                                                   top_logprobs=lp_l[row][:m], rank=rank_l[row])))
             row += 1
     return out
 

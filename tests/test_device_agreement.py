@@ -81,7 +81,7 @@ def test_filtered_probs_and_sample_agree_with_cpu(device):
     seeded = [i for i, s in enumerate(SPECS) if s.seed is not None]
     assert sample(dev[seeded], u_cpu.to(device)).cpu().tolist() == sample(cpu[seeded], u_cpu).tolist()
     ids, q = truncate_top(dev, 8)
-    chosen, top_ids, top_lp = logprobs_of(logits.to(device), ids[:, 0], 3)
+    chosen, _, top_ids, top_lp = logprobs_of(logits.to(device), ids[:, 0], 3)
     assert {t.device.type for t in (ids, q, chosen, top_ids, top_lp)} == {device.type}
 
 

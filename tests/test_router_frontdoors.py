@@ -795,6 +795,8 @@ def test_grpc_generate_streaming_and_unary_match_transformers(stack, channel):
     assert [lp.token_id for lp in msgs[0].prompt_logprobs] == LONG_IDS[1:]
     assert [lp.logprob for lp in msgs[0].prompt_logprobs] == pytest.approx(
         ref[torch.arange(len(LONG_IDS) - 1), torch.tensor(LONG_IDS[1:])].tolist(), abs=1e-3)
+    assert [lp.rank for lp in msgs[0].prompt_logprobs] == [
+        int((row > row[t]).sum()) + 1 for row, t in zip(ref, LONG_IDS[1:], strict=False)]  # 1: the most likely
     assert all(not m.prompt_logprobs for m in msgs[1:])
     alone = stub.GenerateUnary(generate_pb2.GenerateRequest(prompt_token_ids=LONG_IDS, max_tokens=0,
                                                             prompt_logprobs=0), timeout=60)

@@ -151,6 +151,7 @@ def test_prompt_logprobs_of_a_chunked_prompt_match_transformers(stub, model_dir)
     assert len(first.prompt_logprobs) == 10 and len(last.prompt_logprobs) == 6
     for pos, lp in enumerate(scored):
         assert lp.logprob == pytest.approx(ref[pos, prompt[pos + 1]].item(), abs=1e-4)
+        assert lp.rank == int((ref[pos] > ref[pos, prompt[pos + 1]]).sum()) + 1  # 1: the most likely
     for pos, lp in enumerate(first.prompt_logprobs):
         assert list(lp.top_token_ids) == ref[pos].topk(2).indices.tolist()
     assert all(not lp.top_token_ids for lp in last.prompt_logprobs)

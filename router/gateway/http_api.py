@@ -182,6 +182,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         bind(request_id=stream.seq.request.request_id)  # every line this request's task logs from here on
         if stream.seq.request.tandem_metrics:
             fmt.metrics = functools.partial(report, stream.seq)
+        fmt.prompt_top = getattr(body, "prompt_logprobs", None)  # vLLM's, where the body has it
         if body.stream:
             fmt.continuous_usage = body.continuous_usage
             return StreamingResponse(sse(fmt, stream, body.include_usage), media_type="text/event-stream")

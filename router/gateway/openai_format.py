@@ -62,6 +62,7 @@ class CompletionFormat:
         self.echo = echo  # per prompt, its text and ids: each choice's text (and logprobs) start with them
         self._started: set[int] = set()  # choices whose first chunk was written
         self.continuous_usage = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+        self.prompt_top: int | None = None  # vLLM's prompt_logprobs, when asked: its top alternatives
         self._latest: dict[int, Delta] = {}  # each choice's last delta streamed: the usage so far
 
     def _usage(self, deltas: list[Delta]) -> dict:
@@ -89,7 +90,8 @@ class CompletionFormat:
         assert [lp.token_id for lp in scored] == prompt_ids[1:len(scored) + 1], "logprobs of this prompt"
         return {"tokens": [dec([t]) for t in prompt_ids] + out["tokens"],
                 "token_logprobs": [None, *(lp.logprob for lp in scored)] + out["token_logprobs"],
-                "top_logprobs": [None, *(_top_by_text(lp.top, dec) for lp in scored)] + out["top_logprobs"]}
+                "top_logprobs": [None, *(_top_by_text(lp.top[:self.req.logprobs], dec) for lp in scored)]
+                + out["top_logprobs"]}
 
     def _base(self, choices: list[dict], obj: str) -> dict:
         return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -100,9 +102,12 @@ class CompletionFormat:
         echoed = self.echo is not None and (not streamed or index not in self._started)
         self._started.add(index)
         prompt_text, prompt_ids = self.echo[index // self.req.n] if echoed else ("", None)  # type: ignore[index]
-        return {"index": index, "text": prompt_text + "".join(d.text for d in deltas),
-                "logprobs": self._logprobs(deltas, prompt_ids), "finish_reason": _finish(deltas[-1]),
-                "stop_reason": deltas[-1].stop_reason}
+        choice = {"index": index, "text": prompt_text + "".join(d.text for d in deltas),
+                  "logprobs": self._logprobs(deltas, prompt_ids), "finish_reason": _finish(deltas[-1]),
+                  "stop_reason": deltas[-1].stop_reason}
+        if not streamed and self.prompt_top is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(deltas, self.decode, self.prompt_top)
+        return choice
 
     def chunk(self, d: Delta) -> dict:
         return self._base([self._with_ids(self._choice([d], True), [d])], self.chunk_name)
@@ -133,6 +138,19 @@ class CompletionFormat:
         return {**self._base(choices, self.object_name), "usage": self._usage(deltas)}
 
 
+def prompt_logprobs(deltas: list[Delta], decode, top: int) -> list[dict | None]:  # noqa: ANN001
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token {id: {logprob, rank,
+    decoded_token}} for it and its `top` alternatives (ranked 1.. as they come)."""
+    scored = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), [])
+    out: list[dict | None] = [None]
+    for lp in scored:
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode([lp.token_id])}}
+        for rank, (alt, logprob) in enumerate(lp.top[:top], 1):
+            entry.setdefault(str(alt), {"logprob": logprob, "rank": rank, "decoded_token": decode([alt])})
+        out.append(entry)
+    return out
+
+
 @dataclass
 class _Held:
     """A streamed choice's answer so far, where reasoning or tools decide what it is."""
@@ -160,6 +178,12 @@ class ChatFormat(CompletionFormat):
         super().__init__(*args, **kwargs)
         self.tools, self.reasoning = tools, reasoning
         self._held: dict[int, _Held] = {}
+
+    def whole(self, deltas: list[Delta]) -> dict:
+        out = super().whole(deltas)
+        if self.prompt_top is not None:  # vLLM's: once, beside the choices (they share the prompt)
+            out["prompt_logprobs"] = prompt_logprobs(deltas, self.decode, self.prompt_top)
+        return out
 
     def _logprobs(self, deltas: list[Delta]) -> dict | None:
         if self.req.logprobs is None:

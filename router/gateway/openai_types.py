@@ -2,7 +2,7 @@
 checked and turned into Requests; chat's tools as router.gateway.tools takes them. Extensions beyond
 OpenAI's fields: top_k, min_p, ignore_eos, max_speculative_tokens, typical_acceptance,
 return_token_ids, tandem_metrics, and vLLM's repetition_penalty, min_tokens, stop_token_ids,
-allowed_token_ids, bad_words,
+allowed_token_ids, bad_words, prompt_logprobs,
 skip_special_tokens, truncate_prompt_tokens, add_generation_prompt, continue_final_message,
 chat_template_kwargs, structured_outputs (json, regex, choice, grammar, json_object) with its older
 guided_json/guided_regex/guided_choice/guided_grammar. Sampling fields left out (or null) take the
@@ -98,6 +98,7 @@ class _Common(OpenAIBody):
     stop_token_ids: list[StrictInt] | None = None
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these ids may be generated
     bad_words: list[StrictStr] | None = None  # vLLM's: words the output must not contain
+    prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob, rank and top alternatives
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: StrictStr | dict | None = None
@@ -135,6 +136,8 @@ class _Common(OpenAIBody):
                                     min_tokens=self.min_tokens,
                                     stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
                                     allowed_token_ids=self._allowed())
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs", "not with stream (as vLLM): ask without streaming")
         constraint = Constraint.from_openai(self.response_format, self.structured_outputs, {
             "guided_json": self.guided_json, "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
             "guided_grammar": self.guided_grammar})
@@ -143,7 +146,7 @@ class _Common(OpenAIBody):
                        ignore_eos=self.ignore_eos, tandem_metrics=self.tandem_metrics, n=self.n,
                        constraint=constraint, skip_special_tokens=self.skip_special_tokens,
                        include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
-                       bad_words=tuple(self.bad_words or ()))
+                       bad_words=tuple(self.bad_words or ()), prompt_logprobs=self.prompt_logprobs)
 
     def _bias(self) -> tuple[tuple[int, float], ...] | None:
         if not self.logit_bias:
@@ -219,7 +222,7 @@ class CompletionBody(_Common):
         max_tokens = self.asked_max_tokens()
         req = self._request(request_id, prompt_ids, defaults, self.logprobs, max_tokens)
         if self.echo and (self.logprobs is not None or max_tokens == 0):
-            req = replace(req, prompt_logprobs=self.logprobs or 0)
+            req = replace(req, prompt_logprobs=max(self.logprobs or 0, self.prompt_logprobs or 0))
         elif max_tokens == 0:
             raise RequestError("max_tokens", "0 only with echo (the prompt alone)")
         return req
