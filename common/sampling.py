@@ -61,6 +61,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: every other id is out; () = no restriction
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output must not contain
+    thinking_token_budget: int | None = None  # vLLM's: thinking past it is ended (think_tokens says how)
+    think_tokens: tuple[int, int | None] | None = None  # (end, start or None: the output starts thinking)
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +93,8 @@ class SamplingParams:
                                             "tokens each")
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
             raise InvalidField("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids")
+        if self.thinking_token_budget is not None and (self.thinking_token_budget < 0 or self.think_tokens is None):
+            raise InvalidField("thinking_token_budget", "must be >= 0, with the think-end token")
         out = {w[0] for w in self.bad_words if len(w) == 1}
         if self.min_tokens:
             out |= set(self.stop_token_ids) | set(held_back)
@@ -104,7 +108,7 @@ class SamplingParams:
         """Whether any logits processor is on (else the services skip that work entirely)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.allowed_token_ids)
-                or bool(self.bad_words))
+                or bool(self.bad_words) or self.thinking_token_budget is not None)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of n: a seeded request's choices get distinct derived seeds
@@ -135,6 +139,12 @@ class SamplingParams:
             msg.stop_token_ids.extend(sorted(set(self.stop_token_ids) | set(held_back)))
         msg.allowed_token_ids.extend(self.allowed_token_ids)
         msg.bad_words.extend(common_pb2.TokenIds(ids=w) for w in self.bad_words)
+        if self.thinking_token_budget is not None:
+            msg.thinking_token_budget = self.thinking_token_budget
+        if self.think_tokens is not None:
+            msg.think_end_token = self.think_tokens[0]
+            if self.think_tokens[1] is not None:
+                msg.think_start_token = self.think_tokens[1]
         return msg
 
     @staticmethod
@@ -153,6 +163,10 @@ class SamplingParams:
             given["allowed_token_ids"] = tuple(msg.allowed_token_ids)
         if msg.bad_words:
             given["bad_words"] = tuple(tuple(w.ids) for w in msg.bad_words)
+        if msg.HasField("thinking_token_budget"):
+            given["thinking_token_budget"] = msg.thinking_token_budget
+            given["think_tokens"] = (msg.think_end_token,
+                                     msg.think_start_token if msg.HasField("think_start_token") else None)
         return given
 
     @classmethod

@@ -16,6 +16,10 @@ they had been generated one at a time.
     bad_words (vLLM)                                  a sequence's last token gets -inf where the output
                                                       so far ends with its other tokens (the prompt does
                                                       not count; a one-token sequence: always)
+    thinking_token_budget (vLLM)                      applied last: after that many output tokens of
+                                                      thinking (from the think-start token, or the output's
+                                                      start) without the think-end token, the think-end
+                                                      token is the only one left
 A sequence without any of these costs nothing here: its logits are not touched.
 """
 
@@ -44,6 +48,9 @@ class Processors:
     prompt_len: int = 0  # positions >= prompt_len are output
     allowed: tuple[int, ...] = ()  # () = every id
     bad_words: tuple[tuple[int, ...], ...] = ()
+    think_budget: int = -1  # -1: none
+    think_end: int = -1
+    think_start: int = -1  # -1: the output starts inside thinking
 
     @property
     def penalized(self) -> bool:
@@ -52,12 +59,12 @@ class Processors:
     @property
     def needs_history(self) -> bool:
         """Whether a row's processing reads the tokens before it (penalties, bad words of two tokens or more)."""
-        return self.penalized or any(len(w) > 1 for w in self.bad_words)
+        return self.penalized or any(len(w) > 1 for w in self.bad_words) or self.think_budget >= 0
 
     def token_ids(self) -> list[int]:
         """Every token id the processors name (the services check each is in the vocabulary)."""
-        return [t for t, _ in self.bias] + list(self.held_back) + list(self.allowed) + [t for w in self.bad_words
-                                                                                        for t in w]
+        return ([t for t, _ in self.bias] + list(self.held_back) + list(self.allowed)
+                + [t for w in self.bad_words for t in w] + [t for t in (self.think_end, self.think_start) if t >= 0])
 
     @staticmethod
     def from_proto(params: common_pb2.SamplingParams, prompt_len: int) -> Processors | None:
@@ -66,8 +73,11 @@ class Processors:
         p.check()
         if not p.processed:
             return None
+        end, start = p.think_tokens or (-1, None)
         return Processors(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens,
-                          p.stop_token_ids, prompt_len, p.allowed_token_ids, p.bad_words)
+                          p.stop_token_ids, prompt_len, p.allowed_token_ids, p.bad_words,
+                          -1 if p.thinking_token_budget is None else p.thinking_token_budget, end,
+                          -1 if start is None else start)
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,35 @@ def apply(logits: torch.Tensor, ctx: Context) -> torch.Tensor:
             out[short[:, None], held[None, :]] = NEG_INF
     if p.penalized:
         out = _penalize(out, p, ctx)
+    if p.think_budget >= 0:
+        _cap_thinking(out, p, ctx)
     return out
+
+
+def _cap_thinking(out: torch.Tensor, p: Processors, ctx: Context) -> None:
+    """Rows past the budget inside thinking get only the think-end token.
+
+        output  <think> t1 t2 t3 | d1 d2       budget 3, start <think>: rows 0.. (after t3) end it
+    """
+    rows = out.shape[0]
+    assert len(ctx.history) == ctx.first_pos, "the thinking budget reads the whole history"
+    output = list(ctx.history[p.prompt_len:]) + list(ctx.extra[:rows - 1])
+    done = ctx.first_pos - p.prompt_len  # output tokens before row 0
+    ended = _find(output, p.think_end)
+    begun = 0 if p.think_start < 0 else _find(output, p.think_start) + 1
+    for i in range(rows):
+        seen = done + i  # output tokens before row i's
+        if ended >= seen and begun <= seen and seen - begun >= p.think_budget:
+            out[i] = NEG_INF
+            out[i, p.think_end] = 0.0
+
+
+def _find(tokens: list[int], token: int) -> int:
+    """Index of token's first occurrence; len(tokens) + 1 when absent (past every row)."""
+    try:
+        return tokens.index(token)
+    except ValueError:
+        return len(tokens) + 1
 
 
 def _ban_words(out: torch.Tensor, p: Processors, ctx: Context) -> None:

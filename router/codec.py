@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from common.sampling import MAX_BAD_WORDS
 from router.chat import ChatFormatter
+from router.config import THINK_CLOSE, THINK_OPEN
 from router.core import RequestError
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,15 @@ class TextCodec:
         variants = [v for w in words for v in (w.lstrip(), " " + w.lstrip())]
         encoded = self.tokenizer.encode_batch(variants, add_special_tokens=False)
         return tuple(dict.fromkeys(tuple(e.ids) for e in encoded if e.ids))
+
+    def think_tokens(self, parser: str | None) -> tuple[int, int | None]:
+        """(think-end, think-start or None where the output starts inside thinking) as the reasoning
+        parser reads them: what thinking_token_budget needs."""
+        end, start = self.tokenizer.token_to_id(THINK_CLOSE), self.tokenizer.token_to_id(THINK_OPEN)
+        if parser is None or end is None or (parser != "deepseek_r1" and start is None):
+            raise RequestError("thinking_token_budget", "needs the router's --reasoning-parser and a model whose "
+                                                        f"{THINK_OPEN} and {THINK_CLOSE} are single tokens")
+        return end, None if parser == "deepseek_r1" else start
 
     async def _run(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 TOOL_PARSERS = ("hermes",)  # the models' own tool-call formats router.gateway.tools reads
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # where router.gateway.reasoning finds a model's thinking
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # both parsers' markers
 SCHEDULING_POLICIES = ("fcfs", "priority")  # router.scheduler's order of admission and choice of victims
 
 

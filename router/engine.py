@@ -169,11 +169,15 @@ class RouterEngine:
                              self.lora_adapters, tuple(info.eos_token_ids))
 
     def _tokenized(self, req: Request) -> Request:
-        """The request with its bad_words (text) among its sampling's token sequences."""
-        if not req.bad_words:
-            return req
-        banned = req.sampling.bad_words + self.codec.bad_word_ids(req.bad_words)
-        return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, bad_words=banned))
+        """The request with its bad_words (text) among its sampling's token sequences, and the think
+        tokens its thinking_token_budget needs (the reasoning parser's)."""
+        sampling = req.sampling
+        if req.bad_words:
+            banned = sampling.bad_words + self.codec.bad_word_ids(req.bad_words)
+            sampling = dataclasses.replace(sampling, bad_words=banned)
+        if sampling.thinking_token_budget is not None:
+            sampling = dataclasses.replace(sampling, think_tokens=self.codec.think_tokens(self.config.reasoning_parser))
+        return req if sampling is req.sampling else dataclasses.replace(req, sampling=sampling)
 
     @property
     def grammars(self) -> Grammars:

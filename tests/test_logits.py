@@ -140,6 +140,45 @@ def test_allowed_and_bad_words_cross_the_wire_and_are_checked():
         SamplingParams(bad_words=((),)).check()
 
 
+END, START = 45, 44  # think-end and think-start tokens
+
+
+def test_a_thinking_budget_leaves_only_the_think_end_token_once_spent():
+    """Output starting inside thinking (DeepSeek-R1): after 3 output tokens without END, END alone."""
+    p = Processors(think_budget=3, think_end=END, prompt_len=len(PROMPT))
+    x = logits(rows=4, seed=3)
+    rows = apply(x, Context(p, PROMPT + [11], extra=[12, 13, 14], first_pos=5))
+    torch.testing.assert_close(rows[:2], x[:2])  # 1 and 2 tokens of thinking before them
+    for row in (2, 3):  # 3 and 4 before them: spent
+        assert torch.isfinite(rows[row]).nonzero().squeeze(-1).tolist() == [END]
+    ended = apply(x, Context(p, PROMPT + [11, END], extra=[12, 13, 14], first_pos=6))
+    torch.testing.assert_close(ended, x, msg="thinking ended: nothing forced")
+    for i in range(4):  # each row as if the drafts before it had been generated one at a time
+        history = PROMPT + [11] + [12, 13, 14][:i]
+        torch.testing.assert_close(rows[i:i + 1], apply(x[i:i + 1], Context(p, history, first_pos=len(history))))
+
+
+def test_a_thinking_budget_counts_from_the_think_start_token_where_the_output_opens_it():
+    """Qwen3: thinking only inside a block the output opens with START; budget 0 ends it at once."""
+    p = Processors(think_budget=2, think_end=END, think_start=START, prompt_len=len(PROMPT))
+    x = logits(rows=4, seed=4)
+    rows = apply(x, Context(p, PROMPT + [11, START], extra=[12, 13, END], first_pos=6))
+    torch.testing.assert_close(rows[:2], x[:2])  # 0 and 1 tokens of thinking
+    assert torch.isfinite(rows[2]).nonzero().squeeze(-1).tolist() == [END]  # 2: spent
+    torch.testing.assert_close(rows[3], x[3])  # after END
+    torch.testing.assert_close(apply(x, Context(p, PROMPT + [11, 12], first_pos=6)), x, msg="no block opened")
+    at_once = Processors(think_budget=0, think_end=END, think_start=START, prompt_len=len(PROMPT))
+    got = apply(x[:1], Context(at_once, PROMPT + [START], first_pos=5))
+    assert torch.isfinite(got[0]).nonzero().squeeze(-1).tolist() == [END]
+    wire = SamplingParams(temperature=0.0, thinking_token_budget=2, think_tokens=(END, START)).to_proto()
+    assert Processors.from_proto(wire, 4) == Processors(think_budget=2, think_end=END, think_start=START,
+                                                        prompt_len=4)
+    r1 = SamplingParams(temperature=0.0, thinking_token_budget=0, think_tokens=(END, None)).to_proto()
+    assert Processors.from_proto(r1, 4) == Processors(think_budget=0, think_end=END, prompt_len=4)
+    with pytest.raises(InvalidField, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=3).check()  # the router fills in the think tokens
+
+
 def test_token_history_is_position_addressed():
     h = TokenHistory()
     h.put(1, 0, [5, 6, 7, 8])

@@ -19,11 +19,13 @@ import pytest
 from tokenizers import Tokenizer
 
 from common.sampling import SamplingParams
+from router.codec import TextCodec
 from router.config import RouterConfig
-from router.core import Delta, FinishReason, Request
+from router.core import Delta, FinishReason, Request, RequestError
 from router.gateway.openai_format import ChatFormat
 from router.gateway.reasoning import Reasoning
 from router.gateway.tools import tool_calling
+from tests.conftest import hf_greedy
 from tests.stack import running_stack
 
 R1, QWEN3 = Reasoning.named("deepseek_r1"), Reasoning.named("qwen3")
@@ -202,3 +204,47 @@ def test_a_reasoning_model_thinks_then_answers_as_the_schema_says(thinking_pair)
                     chat_template_kwargs={"enable_thinking": False}, **body).json()["choices"][0]
         assert think_id not in told["token_ids"], "told not to think: the schema holds from the first token"
         assert "reasoning_content" not in told["message"] and json.loads(told["message"]["content"])
+
+
+def test_a_thinking_budget_ends_the_thinking_then_the_model_answers(thinking_pair):
+    """vLLM's thinking_token_budget (and the Messages API's thinking.budget_tokens), speculation on: the
+    first `budget` tokens are the model's own, then </think>, then transformers' greedy continuation of
+    all that."""
+    target_dir, draft_dir, think_id = thinking_pair
+    config = RouterConfig(max_num_batched_tokens=128, max_num_seqs=16, draft_timeout_s=5.0, target_grace_s=2.0,
+                          reasoning_parser="deepseek_r1", dynamic_k=False)
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    messages = [{"role": "user", "content": "Think briefly, then answer"}]
+    with running_stack((target_dir, draft_dir), config) as s:
+        url = s["router"].url
+        prompt = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+        free = hf_greedy(target_dir, prompt, 30)
+        assert think_id not in free, "the tiny model never ends its thinking by itself"
+        for budget in (0, 5, 12):
+            r = post(url, "/v1/chat/completions", messages=messages, max_tokens=30, ignore_eos=True,
+                     thinking_token_budget=budget, return_token_ids=True)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            ids = choice["token_ids"]
+            assert ids[:budget] == free[:budget] and ids[budget] == think_id
+            assert ids[budget + 1:] == hf_greedy(target_dir, prompt + ids[:budget + 1], 30 - budget - 1)
+            assert (choice["message"]["reasoning_content"] or "") == tok.decode(ids[:budget])
+            assert choice["message"]["content"] == tok.decode(ids[budget + 1:])
+        answer = httpx.post(f"{url}/v1/messages", timeout=60, json={
+            "model": "tiny", "max_tokens": 12, "messages": messages, "temperature": 0,
+            "thinking": {"type": "enabled", "budget_tokens": 4}}).json()
+        assert [b["type"] for b in answer["content"]] == ["thinking", "text"]
+        assert answer["content"][0]["thinking"] == tok.decode(free[:4])
+        refused = post(url, "/v1/chat/completions", messages=messages, thinking_token_budget=-1)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser(thinking_pair):
+    codec = TextCodec(thinking_pair[0])
+    try:
+        assert codec.think_tokens("deepseek_r1") == (thinking_pair[2], None)
+        for parser in (None, "qwen3"):  # qwen3 needs <think> as one token too, which this tokenizer lacks
+            with pytest.raises(RequestError, match="--reasoning-parser"):
+                codec.think_tokens(parser)
+    finally:
+        codec.close()

@@ -158,7 +158,8 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         in Anthropic's shape."""
         try:
             body = await parse(request, MessagesBody)
-            req, chat = await chat_request(body.chat(), f"msg-{uuid.uuid4().hex}")
+            req, chat = await chat_request(body.chat(budgets=engine.config.reasoning_parser is not None),
+                                           f"msg-{uuid.uuid4().hex}")
             fmt = MessagesFormat(chat, body, body.model)
             return anthropic_error(await respond(request, body, engine.submit(req), fmt))
         except Refusal as e:

@@ -53,10 +53,11 @@ class MessagesBody(OpenAIBody):
     include_usage: ClassVar[bool] = False  # the usage is in message_start and message_delta, always
     continuous_usage: ClassVar[bool] = False
 
-    def chat(self, counting: bool = False) -> ChatBody:
+    def chat(self, counting: bool = False, budgets: bool = False) -> ChatBody:
         """The chat request this one means (every field checked there as on /v1/chat/completions; its
         refusals of a tool choice name this API's). counting: for /v1/messages/count_tokens, which needs
-        no max_tokens."""
+        no max_tokens; budgets: thinking.budget_tokens is enforced (the router reads thinking: it has a
+        --reasoning-parser), as chat's thinking_token_budget."""
         if self.max_tokens is None and not counting:
             raise RequestError("max_tokens", "required")
         system = [] if self.system is None else [{"role": "system", "content": _text(self.system, "system")}]
@@ -67,7 +68,8 @@ class MessagesBody(OpenAIBody):
                   "tools": [_tool(t, i) for i, t in enumerate(self.tools)] if self.tools else None,
                   "tool_choice": choice, "parallel_tool_calls": parallel,
                   "response_format": _format(self.output_config),
-                  "chat_template_kwargs": _thinking(self.thinking)}
+                  "chat_template_kwargs": _thinking(self.thinking),
+                  "thinking_token_budget": _budget(self.thinking) if budgets else None}
         if self.messages[-1].get("role") == "assistant":  # a prefill: the answer writes on from its text
             fields |= {"add_generation_prompt": False, "continue_final_message": True}
         try:
@@ -188,9 +190,15 @@ def _format(config: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": fmt.get("schema")}}
 
 
+def _budget(thinking: dict | None) -> int | None:
+    budget = (thinking or {}).get("budget_tokens") if (thinking or {}).get("type") == "enabled" else None
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+        raise RequestError("thinking.budget_tokens", "an integer >= 0")
+    return budget
+
+
 def _thinking(thinking: dict | None) -> dict | None:
-    """Extended thinking: a reasoning model thinks unless told not to; budget_tokens is not enforced
-    (max_tokens bounds thinking and answer together)."""
+    """Extended thinking: a reasoning model thinks unless told not to."""
     kind = (thinking or {}).get("type")
     if kind not in (None, "enabled", "disabled", "adaptive"):
         raise RequestError("thinking.type", "enabled, disabled or adaptive")

@@ -2,7 +2,7 @@
 checked and turned into Requests; chat's tools as router.gateway.tools takes them. Extensions beyond
 OpenAI's fields: top_k, min_p, ignore_eos, max_speculative_tokens, typical_acceptance,
 return_token_ids, tandem_metrics, and vLLM's repetition_penalty, min_tokens, stop_token_ids,
-allowed_token_ids, bad_words, prompt_logprobs,
+allowed_token_ids, bad_words, prompt_logprobs, thinking_token_budget,
 skip_special_tokens, truncate_prompt_tokens, add_generation_prompt, continue_final_message,
 chat_template_kwargs, structured_outputs (json, regex, choice, grammar, json_object) with its older
 guided_json/guided_regex/guided_choice/guided_grammar. Sampling fields left out (or null) take the
@@ -99,6 +99,7 @@ class _Common(OpenAIBody):
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these ids may be generated
     bad_words: list[StrictStr] | None = None  # vLLM's: words the output must not contain
     prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob, rank and top alternatives
+    thinking_token_budget: StrictInt | None = None  # vLLM's: thinking past it is ended (--reasoning-parser)
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: StrictStr | dict | None = None
@@ -135,7 +136,7 @@ class _Common(OpenAIBody):
                                     repetition_penalty=_float(self.repetition_penalty), logit_bias=self._bias(),
                                     min_tokens=self.min_tokens,
                                     stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
-                                    allowed_token_ids=self._allowed())
+                                    allowed_token_ids=self._allowed(), thinking_token_budget=self.thinking_token_budget)
         if self.prompt_logprobs is not None and self.stream:
             raise RequestError("prompt_logprobs", "not with stream (as vLLM): ask without streaming")
         constraint = Constraint.from_openai(self.response_format, self.structured_outputs, {

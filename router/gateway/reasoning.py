@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.config import REASONING_PARSERS
+from router.config import REASONING_PARSERS, THINK_CLOSE, THINK_OPEN
 
-OPEN, CLOSE = "<think>", "</think>"
+OPEN, CLOSE = THINK_OPEN, THINK_CLOSE
 
 
 def without_partial(text: str, marker: str) -> str:
