@@ -125,15 +125,15 @@ def chainable(plan: StepPlan, running: list[Sequence], waiting: bool) -> bool:
 
 
 def lookup_beats_chaining(spec: Speculator, decoders: list[Sequence], ks: list[int], round_trip_ms: float) -> bool:
-    """Whether the step after this one should wait for its answer instead of being chained with no
-    drafts (ks, from chain_ks, all 0: the policy finds the draft's proposals not worth their cost):
-    such a chained step gives up prompt lookup's guesses, which need the outcome, for the round trip
-    it saves. Lookup's offers are judged from the history as it is now (one that has a match now
-    mostly has one a token later, as in Speculator.plain_next_step), at its acceptance and the k the
-    policy would verify, against plain decodes, the round trip charged to waiting. Where the chained
-    step verifies drafts it is kept: waiting for lookup there cost the demo pair 7-24% of its
-    tokens/s at c=16 in three side-by-side pairs of runs, for no more tokens a step."""
-    if any(ks):
+    """Whether the step after this one should wait for its answer instead of being chained: a chained
+    step gives up prompt lookup's guesses, which need the outcome, for the round trip it saves.
+    Lookup's offers are judged from the history as it is now (one that has a match now mostly has one
+    a token later, as in Speculator.plain_next_step), at its acceptance and the k the policy would
+    verify, against the chained step's drafts (ks, from chain_ks) at the draft's acceptance, the round
+    trip charged to waiting. Where the chained step verifies drafts it is kept unless a sequence has a
+    predicted output (router.lookup) to follow: waiting for plain lookup there cost the demo pair
+    7-24% of its tokens/s at c=16 in three side-by-side pairs of runs, for no more tokens a step."""
+    if any(ks) and not any(s.lookup.prediction for s in decoders):
         return False
     offers = [len(spec.lookup(s)[0][:spec.cap(s)]) for s in decoders]
     if not any(offers):
@@ -142,4 +142,5 @@ def lookup_beats_chaining(spec: Speculator, decoders: list[Sequence], ks: list[i
     rates = [s.lookup_tracker.rate for s in decoders]
     waited = choose_k(rates, offers, 0, cost, replace(spec.draft_cost, always_ready=True), [False] * n)
     unchained = sum(expected_tokens(a, k) for a, k in zip(rates, waited, strict=True))
-    return unchained / (cost.step_ms(n + sum(waited), n) + round_trip_ms) > n / cost.step_ms(n, n)
+    chained = sum(expected_tokens(s.tracker.rate, k) for s, k in zip(decoders, ks, strict=True))  # n at k = 0
+    return unchained / (cost.step_ms(n + sum(waited), n) + round_trip_ms) > chained / cost.step_ms(n + sum(ks), n)

@@ -51,6 +51,7 @@ class Request:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top-n alternatives per token; None = no logprobs
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs too (echo), top-n; None = not asked
+    prediction: tuple[int, ...] = ()  # OpenAI's predicted output, as tokens: prompt lookup proposes from it too
     max_speculative_tokens: int | None = None  # per-request cap on k; 0 = no speculation
     ignore_eos: bool = False
     tandem_metrics: bool = False  # report this request's figures (router.request_stats) with its usage

@@ -35,6 +35,7 @@ from router.core import (
 )
 from router.discovery import parse_spec
 from router.lanes import Lane, choose_lane
+from router.lookup import PromptLookup
 from router.metrics import Metrics
 from router.output import OutputBuilder
 from router.replicas import Replicas
@@ -234,7 +235,8 @@ class RouterEngine:
                            lane=lane, outputs=queue, index=first_index + i, fork_parent=seqs[0] if seqs else None,
                            grammar=self.grammars.state(grammar, req.grammar_opens_after) if grammar else None,
                            tracker=lane.loop.spec.draft_acceptance.tracker(),
-                           lookup_tracker=lane.loop.spec.lookup_acceptance.tracker())
+                           lookup_tracker=lane.loop.spec.lookup_acceptance.tracker(),
+                           lookup=PromptLookup(prediction=req.prediction, start=len(req.prompt_ids)))
             if seqs:
                 seqs[0].forks.append(seq)
             seqs.append(seq)

@@ -43,6 +43,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     async def _request(self, msg: generate_pb2.GenerateRequest) -> Request:
         if sum(map(bool, (msg.prompt, msg.prompt_token_ids, msg.messages))) > 1:
             raise RequestError("prompt", "give one of prompt, prompt_token_ids and messages")
+        if msg.prediction and msg.prediction_token_ids:
+            raise RequestError("prediction", "give one of prediction and prediction_token_ids")
         lora = self.engine.model_lora(msg.model or self.model_name, self.model_name)
         if lora is None:
             raise RequestError("model", f"{msg.model!r} is neither the served model {self.model_name!r} nor one "
@@ -59,6 +61,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             include_stop_str_in_output=msg.include_stop_str_in_output, priority=msg.priority, lora=lora,
             bad_words=tuple(msg.bad_words),
+            prediction=tuple(msg.prediction_token_ids) or (tuple(await self.engine.codec.encode(
+                msg.prediction, self.engine.max_model_len, "prediction", plain=True)) if msg.prediction else ()),
         )
 
     async def _chat(self, messages: list[generate_pb2.ChatMessage]) -> list[int]:

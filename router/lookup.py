@@ -10,6 +10,14 @@ small model falls into repeat themselves; a guess that is wrong costs only the v
 The index of n-grams grows with the history (a few dict entries per token), so a lookup costs the
 same however long the sequence is. Proposals are point guesses: for sampled requests their q is 1
 on the guessed token, and strict rejection sampling stays exact (accept with probability p(x)).
+
+A request may also give the output it expects (OpenAI's Predicted Outputs, `prediction`: the file an
+edit rewrites, say). While the output so far is the prediction's start, the proposal is what comes
+next in it; once they part, the suffix is looked for in the prediction (its next occurrence after
+the last one followed) before the history, so the output falls back in step where the two meet again:
+
+    prediction:  a b c d e f g h            output so far: a b X Y d e   (an edit: c -> X Y)
+                                            suffix "d e" found in the prediction: propose f g h
 """
 
 from __future__ import annotations
@@ -18,12 +26,20 @@ from collections.abc import Sequence as Seq
 
 
 class PromptLookup:
-    def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
+    def __init__(self, n_min: int = 2, n_max: int = 4, prediction: Seq[int] = (), start: int = 0) -> None:
+        """prediction: the output the request expects, whose first token would follow history[:start]."""
         assert 1 <= n_min <= n_max
         self.n_min, self.n_max = n_min, n_max
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence (indexed so far)
         self._indexed = 0  # n-grams ending at positions <= this are in the index
         self._last_offer: tuple[int, int, list[int]] = (-1, 0, [])  # (history length, k, proposal)
+        self.prediction, self.start = list(prediction), start
+        self._predicted: dict[tuple[int, ...], list[int]] = {}  # n-gram -> ends of its occurrences, ascending
+        for stop in range(n_min, len(self.prediction) + 1):
+            for n in range(n_min, min(n_max, stop) + 1):
+                self._predicted.setdefault(tuple(self.prediction[stop - n:stop]), []).append(stop)
+        self._on_prefix = 0  # output tokens known to equal the prediction's start
+        self._followed = 0  # where in the prediction the last proposal from it continued
 
     def propose(self, history: Seq[int], k: int, end: int | None = None) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of the history's suffix (the history:
@@ -34,14 +50,33 @@ class PromptLookup:
         if self._last_offer[:2] == (end, k):
             return list(self._last_offer[2])
         self._index(history, end - 1)  # everything but the suffix itself
-        offer: list[int] = []
+        offer = self._predicted_offer(history, k, end) if self.prediction else []
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
+            if offer:
+                break
             at = self._last.get(tuple(history[end - n:end]))
             if at is not None:
                 offer = list(history[at:min(at + k, end)])
-                break
         self._last_offer = (end, k, offer)
         return list(offer)
+
+    def _predicted_offer(self, history: Seq[int], k: int, end: int) -> list[int]:
+        """The prediction's continuation: after its start while the output is that start, else after the
+        next occurrence (from the last one followed) of the history's longest suffix found in it."""
+        done = end - self.start  # output tokens so far
+        pred = self.prediction
+        while self._on_prefix < min(done, len(pred)) and history[self.start + self._on_prefix] == pred[self._on_prefix]:
+            self._on_prefix += 1
+        if self._on_prefix == done >= 0:
+            self._followed = done
+            return pred[done:done + k]
+        for n in range(min(self.n_max, done), self.n_min - 1, -1):
+            ends = self._predicted.get(tuple(history[end - n:end]))
+            if ends:
+                at = next((e for e in ends if e >= self._followed), ends[0])
+                self._followed = at
+                return pred[at:at + k]
+        return []
 
     def _index(self, history: Seq[int], upto: int) -> None:
         for stop in range(max(self._indexed, self.n_min), upto + 1):

@@ -38,6 +38,10 @@ def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapte
         raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
     if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
         raise RequestError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    if len(req.prediction) > limit:
+        raise RequestError("prediction", f"{len(req.prediction)} tokens: longer than max_model_len {limit}")
+    if req.prediction and (min(req.prediction) < 0 or max(req.prediction) >= vocab_size):
+        raise RequestError("prediction", f"token ids must be in [0, {vocab_size})")
     if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
         raise RequestError("max_speculative_tokens", "must be >= 0")
     for field, ids in (("logit_bias", [t for t, _ in req.sampling.logit_bias]),

@@ -3,12 +3,16 @@ router with no draft at all speculating from it, exactly."""
 
 from __future__ import annotations
 
+import grpc
+import httpx
+
 from router.config import RouterConfig
 from router.core import GREEDY, Request, Sequence
 from router.lookup import PromptLookup
 from router.speculator import Speculator
+from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.conftest import hf_greedy
-from tests.stack import complete, start_router, start_target
+from tests.stack import complete, start_draft, start_router, start_target
 from tests.test_router_integration import metric
 
 
@@ -19,6 +23,29 @@ def test_the_longest_earlier_occurrence_of_the_suffix_is_continued():
     assert PromptLookup(n_min=2, n_max=2).propose(h, 2) == [7, 8], "the latest occurrence of the 2-gram"
     assert PromptLookup().propose([1, 2, 3, 4, 5], 3) == [], "nothing repeats: no guess"
     assert PromptLookup().propose([6, 6, 6, 6], 3) == [6], "a run proposes its own continuation"
+
+
+PROMPT = [50, 51, 52]
+
+
+def test_a_prediction_is_followed_while_the_output_is_its_start():
+    lookup = PromptLookup(prediction=[10, 11, 12, 13, 14], start=len(PROMPT))
+    assert lookup.propose(PROMPT, 3) == [10, 11, 12], "no output yet: the prediction's start"
+    assert lookup.propose(PROMPT + [10, 11], 3) == [12, 13, 14]
+    assert lookup.propose(PROMPT + [10, 11, 12, 13, 14], 3) == [], "all of it said: nothing more to offer"
+
+
+def test_an_output_that_parts_from_the_prediction_is_found_again_where_they_meet():
+    pred = [10, 11, 12, 13, 14, 15, 16, 10, 11, 17, 18]
+    lookup = PromptLookup(prediction=pred, start=len(PROMPT))
+    out = PROMPT + [10, 11, 99, 98]  # an edit: 12 -> 99 98
+    assert lookup.propose(out, 3) == [], "no suffix found in the prediction or the history"
+    out += [13, 14]
+    assert lookup.propose(out, 3) == [15, 16, 10], "back in step after the edit"
+    out += [15, 16, 10, 11]
+    assert lookup.propose(out, 2) == [17, 18], "(10, 11) occurs twice: the occurrence after the one followed"
+    history_only = PromptLookup(prediction=[40, 41], start=len(PROMPT))
+    assert history_only.propose(PROMPT + [7, 8, 9, 7, 8], 2) == [9, 7], "no match in the prediction: the history"
 
 
 def test_the_index_grows_with_the_history():
@@ -58,6 +85,40 @@ def test_a_router_without_a_draft_speculates_from_the_history(model_pair):
         assert metric(plain.url, "tandem:spec_decode_num_draft_tokens_total") == 0, "--no-prompt-lookup: plain"
     finally:
         router.stop(), plain.stop(), target.stop()
+
+
+def test_a_predicted_output_is_proposed_and_changes_nothing_but_the_steps(model_pair):
+    """OpenAI's Predicted Outputs, with the draft at work beside them: an exact prediction (token ids,
+    on gRPC) is the greedy answer in far fewer steps; one edited in the middle, or wrong throughout
+    (texts, on HTTP), gives the same answer, token for token."""
+    target_dir, draft_dir = model_pair
+    target, _ = start_target(target_dir)
+    draft, _ = start_draft(draft_dir)
+    router = start_router(RouterConfig(max_num_batched_tokens=64), target.address, draft.address, target_dir)
+    try:
+        prompt, n = [(17 * i) % 200 + 5 for i in range(12)], 60
+        want = hf_greedy(target_dir, prompt, n)
+
+        def steps(predicted: list[int]) -> int:
+            with grpc.insecure_channel(router.grpc_address) as channel:
+                out = generate_pb2_grpc.GenerateStub(channel).GenerateUnary(generate_pb2.GenerateRequest(
+                    prompt_token_ids=prompt, max_tokens=n, ignore_eos=True, tandem_metrics=True,
+                    prediction_token_ids=predicted, sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=60)
+            assert list(out.token_ids) == want
+            return out.tandem_metrics.num_decode_steps
+
+        alone = steps([])
+        assert steps(want) <= alone * 0.6, "the prediction proposed: up to k + 1 tokens a step"
+        assert steps(want[:25] + [3, 4] + want[27:]) < alone, "an edit: back in step after it"
+        for prediction in ({"type": "content", "content": "hello world, " * 8},
+                           {"type": "content", "content": [{"type": "text", "text": "def f(x):\n    return x"}]}):
+            out = complete(router.url, prompt, n, prediction=prediction)
+            assert out["choices"][0]["token_ids"] == want, prediction
+        r = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                                             "prediction": {"type": "audio", "content": "x"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prediction"
+    finally:
+        router.stop(), target.stop(), draft.stop()
 
 
 def test_a_sequence_takes_the_offer_with_more_expected_tokens():

@@ -1,11 +1,13 @@
 """router.chain.lookup_beats_chaining: whether a step that the policy would chain without drafts (the
-draft's proposals not worth their cost) waits a round trip for the outcome instead, so that prompt
-lookup can guess from the history it makes. Decided by expected tokens per ms, without services."""
+draft's proposals not worth their cost), or with drafts where a sequence has a predicted output to
+follow, waits a round trip for the outcome instead, so that prompt lookup can guess from the history
+it makes. Decided by expected tokens per ms, without services."""
 
 from __future__ import annotations
 
 from router.chain import lookup_beats_chaining
 from router.core import GREEDY, Request, Sequence
+from router.lookup import PromptLookup
 from router.spec_policy import AcceptanceTracker
 from router.step_costs import StepCostModel
 from tests.test_spec_policy import _speculator
@@ -70,3 +72,15 @@ def test_one_sequence_with_an_offer_can_hold_the_step_for_all():
     others = [_seq(i, FRESH, draft_rate=0.2, lookup_rate=0.9) for i in range(2, 5)]
     assert lookup_beats_chaining(spec, [looked, *others], [0, 0, 0, 0], round_trip_ms=2.0)
     assert not lookup_beats_chaining(spec, [looked, *others], [0, 0, 0, 0], round_trip_ms=80.0)
+
+
+def test_a_predicted_output_to_follow_may_hold_a_chained_step_that_verifies_drafts():
+    """A sequence with a prediction (router.lookup) whose guesses are accepted far more than the draft's:
+    the chained step's drafts are weighed against them (at the draft's acceptance), and lose."""
+    spec = _spec()
+    seq = _seq(1, REPEATING, draft_rate=0.5, lookup_rate=0.95)
+    seq.lookup = PromptLookup(prediction=[9, 10, 11, 12, 13], start=len(REPEATING))
+    assert spec.lookup(seq)[0] == [9, 10, 11, 12], "the prediction's start"
+    assert lookup_beats_chaining(spec, [seq], [2], round_trip_ms=2.0)
+    seq.lookup_tracker = AcceptanceTracker.starting_at(0.3)
+    assert not lookup_beats_chaining(spec, [seq], [2], round_trip_ms=2.0), "a prediction the output left"

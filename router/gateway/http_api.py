@@ -65,9 +65,12 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error(400, f"{loc or 'body'}: {first.get('msg')}", loc or None)
 
-    def adapted(req: CoreRequest, model: str) -> CoreRequest:
-        """The request as the model it names runs it: a LoRA adapter's name, that adapter."""
-        return dataclasses.replace(req, lora=engine.model_lora(model, model_name) or "")
+    async def adapted(req: CoreRequest, body: ChatBody | CompletionBody) -> CoreRequest:
+        """The request as the model it names runs it (a LoRA adapter's name, that adapter), with the
+        tokens of its predicted output (OpenAI's prediction), if any."""
+        predicted = body.predicted()
+        ids = await engine.codec.encode(predicted, engine.max_model_len, "prediction", plain=True) if predicted else []
+        return dataclasses.replace(req, lora=engine.model_lora(body.model, model_name) or "", prediction=tuple(ids))
 
     async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raw = await read_body(request, engine.config.max_body_bytes)
@@ -90,9 +93,9 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             request_id = f"cmpl-{uuid.uuid4().hex}"
             prompts = body.prompts()
             cut = body.truncate_prompt_tokens is not None
-            reqs = [adapted(body.to_request(request_id, body.truncated(
+            reqs = [await adapted(body.to_request(request_id, body.truncated(
                 await engine.encode(p, truncating=cut) if isinstance(p, str) else p, engine.max_model_len),
-                engine.sampling_defaults), body.model) for p in prompts]
+                engine.sampling_defaults), body) for p in prompts]
             echo = [(p if isinstance(p, str) and not cut else await engine.codec.decode(r.prompt_ids), r.prompt_ids)
                     for p, r in zip(prompts, reqs, strict=True)] if body.echo else None
             fmt = CompletionFormat(engine.codec.decode_one, body.model, reqs[0], body.return_token_ids, echo=echo)
@@ -108,7 +111,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         cut = body.truncate_prompt_tokens is not None
         ids = body.truncated(await engine.encode_chat(body.conversation(), body.template_options(), cut),
                              engine.max_model_len)
-        req = adapted(body.to_request(request_id, ids, engine.sampling_defaults, calling), body.model)
+        req = await adapted(body.to_request(request_id, ids, engine.sampling_defaults, calling), body)
         reasoning = engine.config.reasoning_parser
         if reasoning is not None and req.constraint is not None:
             # a reasoning model thinks, then answers as the constraint says: it holds after the think-end token

@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies (completions and chat, and vLLM's tokenize and detokenize),
-checked and turned into Requests; chat's tools as router.gateway.tools takes them. Extensions beyond
-OpenAI's fields: top_k, min_p, ignore_eos, max_speculative_tokens, typical_acceptance,
-return_token_ids, tandem_metrics, and vLLM's repetition_penalty, min_tokens, stop_token_ids,
+checked and turned into Requests; chat's tools as router.gateway.tools takes them (OpenAI's
+Predicted Outputs, `prediction`, are proposed by prompt lookup: router.lookup). Extensions beyond
+OpenAI's fields: top_k, min_p, ignore_eos, max_speculative_tokens, typical_acceptance, return_token_ids,
+tandem_metrics, and vLLM's repetition_penalty, min_tokens, stop_token_ids,
 allowed_token_ids, bad_words, prompt_logprobs, thinking_token_budget,
 skip_special_tokens, truncate_prompt_tokens, add_generation_prompt, continue_final_message,
 chat_template_kwargs, structured_outputs (json, regex, choice, grammar, json_object) with its older
@@ -100,6 +101,7 @@ class _Common(OpenAIBody):
     bad_words: list[StrictStr] | None = None  # vLLM's: words the output must not contain
     prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob, rank and top alternatives
     thinking_token_budget: StrictInt | None = None  # vLLM's: thinking past it is ended (--reasoning-parser)
+    prediction: dict | None = None  # OpenAI's Predicted Outputs: {"type": "content", "content": the expected text}
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: StrictStr | dict | None = None
@@ -156,6 +158,19 @@ class _Common(OpenAIBody):
             return tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items()))
         except ValueError:
             raise RequestError("logit_bias", "keys must be token ids (integers as strings)") from None
+
+    def predicted(self) -> str:
+        """The text of OpenAI's prediction (a text, or text parts), "" when none."""
+        if self.prediction is None:
+            return ""
+        content = self.prediction.get("content")
+        if self.prediction.get("type") != "content" or not isinstance(content, str | list):
+            raise RequestError("prediction", '{"type": "content", "content": the text the output is expected to be}')
+        if isinstance(content, str):
+            return content
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise RequestError("prediction.content", "a text or text parts")
+        return "".join(p["text"] for p in content)
 
     def _allowed(self) -> tuple[int, ...] | None:
         if self.allowed_token_ids is None:
