@@ -40,6 +40,7 @@ class Adapters:
     def __init__(self) -> None:
         self.served: dict[str, common_pb2.LoraAdapterInfo] = {}
         self.draining: set[str] = set()  # being unloaded: new requests are refused
+        self.loading: set[str] = set()  # being loaded: another load of the name waits for nothing, it is refused
         self._known = False
 
     def adopt(self, info: common_pb2.ModelInfo) -> None:
@@ -77,20 +78,25 @@ class Adapters:
 
     async def load(self, targets: list[TargetClient], name: str, path: str) -> None:
         """Load on every replica, or on none: a partial load is undone."""
-        if name in self.served:
+        if name in self.served or name in self.loading:
             raise AdapterUpdateFailed(400, f"the LoRA adapter {name!r} has already been loaded")
         if not targets:
             raise AdapterUpdateFailed(503, "no target replica is up")
-        results = await asyncio.gather(*(t.load_lora(name, path, LOAD_TIMEOUT_S) for t in targets),
-                                       return_exceptions=True)
-        loaded = [(t, r) for t, r in zip(targets, results, strict=True) if isinstance(r, common_pb2.LoraAdapterInfo)]
-        failed = [r for r in results if not isinstance(r, common_pb2.LoraAdapterInfo)]
-        if not failed and len({r.block_root for _, r in loaded}) > 1:
-            failed = [ValueError("the replicas read different files at that path")]
-        if failed:
-            await asyncio.gather(*(t.unload_lora(name) for t, _ in loaded), return_exceptions=True)
-            raise _refusal(failed[0])
-        self.served[name] = loaded[0][1]
+        self.loading.add(name)
+        try:
+            results = await asyncio.gather(*(t.load_lora(name, path, LOAD_TIMEOUT_S) for t in targets),
+                                           return_exceptions=True)
+            loaded = [(t, r) for t, r in zip(targets, results, strict=True)
+                      if isinstance(r, common_pb2.LoraAdapterInfo)]
+            failed = [r for r in results if not isinstance(r, common_pb2.LoraAdapterInfo)]
+            if not failed and len({r.block_root for _, r in loaded}) > 1:
+                failed = [ValueError("the replicas read different files at that path")]
+            if failed:
+                await asyncio.gather(*(t.unload_lora(name) for t, _ in loaded), return_exceptions=True)
+                raise _refusal(failed[0])
+            self.served[name] = loaded[0][1]
+        finally:
+            self.loading.discard(name)
         log.info("LoRA adapter %r loaded from %s on %d replicas", name, path, len(targets))
 
     async def unload(self, targets: list[TargetClient], name: str, running: Callable[[], int]) -> None:

@@ -167,6 +167,17 @@ def test_an_unload_waits_for_the_requests_running_with_the_adapter(stack, dirs):
     assert "busy" not in [m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]]
 
 
+def test_two_loads_of_one_name_at_once_load_one_of_them(stack, model_pair, dirs):
+    with cf.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda d: _post(stack, "/v1/load_lora_adapter", lora_name="twice", lora_path=str(d)),
+                                (dirs["a"], dirs["b"])))
+    assert sorted(r.status_code for r in answers) == [200, 400], [r.text for r in answers]
+    won = dirs["a"] if answers[0].status_code == 200 else dirs["b"]
+    out = complete(stack.url, PROMPT[:9], 8, model="twice")
+    assert out["choices"][0]["token_ids"] == hf_greedy(won / "merged", PROMPT[:9], 8), "the winner's files, served"
+    assert _post(stack, "/v1/unload_lora_adapter", lora_name="twice").status_code == 200
+
+
 def test_the_router_says_when_targets_do_not_load_at_runtime(model_pair, dirs):
     target, _ = start_target(model_pair[0])
     router = start_router(RouterConfig(max_num_batched_tokens=64), target.address, None, model_pair[0])
