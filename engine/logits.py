@@ -58,7 +58,8 @@ class Processors:
 
     @property
     def needs_history(self) -> bool:
-        """Whether a row's processing reads the tokens before it (penalties, bad words of two tokens or more)."""
+        """Whether a row's processing reads the tokens before it (penalties, bad words of two tokens or
+        more, a thinking budget)."""
         return self.penalized or any(len(w) > 1 for w in self.bad_words) or self.think_budget >= 0
 
     def token_ids(self) -> list[int]:
@@ -143,9 +144,7 @@ def _cap_thinking(out: torch.Tensor, p: Processors, ctx: Context) -> None:
         output  <think> t1 t2 t3 | d1 d2       budget 3, start <think>: rows 0.. (after t3) end it
     """
     rows = out.shape[0]
-    assert len(ctx.history) == ctx.first_pos, "the thinking budget reads the whole history"
-    output = list(ctx.history[p.prompt_len:]) + list(ctx.extra[:rows - 1])
-    done = ctx.first_pos - p.prompt_len  # output tokens before row 0
+    output, done = _output(p, ctx, rows)
     ended = _find(output, p.think_end)
     begun = 0 if p.think_start < 0 else _find(output, p.think_start) + 1
     for i in range(rows):
@@ -153,6 +152,13 @@ def _cap_thinking(out: torch.Tensor, p: Processors, ctx: Context) -> None:
         if ended >= seen and begun <= seen and seen - begun >= p.think_budget:
             out[i] = NEG_INF
             out[i, p.think_end] = 0.0
+
+
+def _output(p: Processors, ctx: Context, rows: int) -> tuple[list[int], int]:
+    """The output tokens the last of `rows` rows sees (history's, then the drafts), and how many come
+    before row 0."""
+    assert len(ctx.history) == ctx.first_pos, "reads the whole history: Processors.needs_history"
+    return list(ctx.history[p.prompt_len:]) + list(ctx.extra[:rows - 1]), ctx.first_pos - p.prompt_len
 
 
 def _find(tokens: list[int], token: int) -> int:
@@ -173,11 +179,9 @@ def _ban_words(out: torch.Tensor, p: Processors, ctx: Context) -> None:
     singles = [w[0] for w in p.bad_words if len(w) == 1]
     if singles:
         out[:, singles] = NEG_INF
-    if not p.needs_history or len(singles) == len(p.bad_words):
+    if len(singles) == len(p.bad_words):
         return
-    assert len(ctx.history) == ctx.first_pos, "bad words of several tokens read the whole history"
-    output = list(ctx.history[p.prompt_len:]) + list(ctx.extra[:rows - 1])
-    done = ctx.first_pos - p.prompt_len  # output tokens before row 0
+    output, done = _output(p, ctx, rows)
     for word in p.bad_words:
         *head, last = word
         n = len(head)
