@@ -306,6 +306,14 @@ def test_structured_output_n_tools_and_responses_with_the_official_client(client
                                           temperature=0)
     answer = client.responses.create(model=model, input="Hi", max_output_tokens=12, temperature=0)
     assert answer.output_text == chat.choices[0].message.content and answer.usage.output_tokens == 12
+    more = client.responses.create(model=model, input="More", previous_response_id=answer.id, max_output_tokens=8,
+                                   temperature=0)
+    assert client.responses.retrieve(more.id).output_text == more.output_text
+    assert [i.role for i in client.responses.input_items.list(more.id).data] == ["user", "assistant", "user"]
+    predicted = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=12, temperature=0, prediction={
+                                                   "type": "content", "content": chat.choices[0].message.content})
+    assert predicted.choices[0].message.content == chat.choices[0].message.content, "a prediction changes no token"
 
 
 def test_anthropic_messages_with_the_official_client(stack, client, model):
