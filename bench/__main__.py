@@ -53,8 +53,9 @@ from /proc: the cores each process kept busy (CPU seconds during the load / its 
 
 Feature workloads (--workloads), once per pair in shared mode, after the configs: structured
 (bench/structured.py: the same prompts free and constrained to JSON schemas; every constrained
-answer must parse and validate) and multiturn (bench/multiturn.py: multi-turn chat with and without
-prefix caching; greedy answers must be identical).
+answer must parse and validate), multiturn (bench/multiturn.py: multi-turn chat with and without
+prefix caching; greedy answers must be identical) and predicted (bench/predicted.py: the same code
+prompts free, then with OpenAI's `prediction` exact and edited; greedy answers must be identical).
 
 Writes OUT/results.md (the issues' figures with pass/fail first, then every table), results.json,
 samples.json, PAIR-MODE-itl_cdf.png and PAIR-MODE-load.png (plots need matplotlib; --replot redraws
@@ -112,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, output lengths and arrivals")
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS,
                    help="comma-separated subset of main (configs x loads x modes, above), structured (JSON-schema "
-                        "constrained vs free answers, #18) and multiturn (chat with and without prefix caching, "
-                        "#17); the last two run once per pair, shared mode only")
+                        "constrained vs free answers, #18), multiturn (chat with and without prefix caching, "
+                        "#17) and predicted (answers with OpenAI's prediction vs without); the last three run "
+                        "once per pair, shared mode only")
     p.add_argument("--replot", type=Path, metavar="RESULTS_JSON", help="only draw the plots of a saved run")
     return p
 

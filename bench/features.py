@@ -4,6 +4,7 @@ two-device premise.
 
     structured  bench/structured.py: the same prompts free and constrained to JSON schemas (issue #18)
     multiturn   bench/multiturn.py: multi-turn chat with and without --no-prefix-caching (issue #17)
+    predicted   bench/predicted.py: the same prompts free, then with OpenAI's `prediction` (exact, edited)
 
 Each gives one entry of results.json's "features": {workload, pair, mode, status, reason, seconds,
 settings, results}; status is "ran", "n/a" (this pair cannot run it: reason says why) or "failed"
@@ -21,7 +22,7 @@ from pathlib import Path
 from bench.pairs import Pair
 from bench.report import answers_text
 
-WORKLOADS = ("main", "structured", "multiturn")
+WORKLOADS = ("main", "structured", "multiturn", "predicted")
 FEATURES = WORKLOADS[1:]
 DEFAULT_WORKLOADS = ",".join(WORKLOADS)
 
@@ -58,6 +59,22 @@ def run_structured(pair: Pair, quick: bool, log_dir: Path, samples: dict) -> dic
     return _entry("structured", pair, "ran", settings=settings, results=res, seconds=time.monotonic() - t0)
 
 
+def run_predicted(pair: Pair, quick: bool, log_dir: Path, samples: dict) -> dict:
+    from bench import predicted
+
+    n = predicted.QUICK_REQUESTS if quick else predicted.REQUESTS
+    settings = {"requests": n, "greedy": n, "concurrency": 4, "max_tokens": predicted.MAX_TOKENS,
+                "router_args": "defaults"}
+    t0 = time.monotonic()
+    try:
+        res = predicted.measure(pair.path, n, log_dir)
+    except Exception as err:  # noqa: BLE001 - as structured's
+        return _entry("predicted", pair, "failed", f"{type(err).__name__}: {err} (logs in {log_dir})",
+                      settings=settings, seconds=time.monotonic() - t0)
+    samples.setdefault("predicted", {})[pair.name] = {name: res[name].pop("answers") for name in predicted.PASSES}
+    return _entry("predicted", pair, "ran", settings=settings, results=res, seconds=time.monotonic() - t0)
+
+
 def run_multiturn(pair: Pair, quick: bool, seed: int, log_dir: Path, samples: dict) -> dict:
     from bench import multiturn
     from bench.conversations import shape_for
@@ -91,6 +108,7 @@ def run_features(pair: Pair, workloads: list[str], quick: bool, seed: int, out: 
         say(f"{pair.name} shared: {name} workload ...")
         log_dir = out / "logs" / pair.name / "shared" / name
         entry = (run_structured(pair, quick, log_dir, samples) if name == "structured"
+                 else run_predicted(pair, quick, log_dir, samples) if name == "predicted"
                  else run_multiturn(pair, quick, seed, log_dir, samples))
         say(f"{pair.name} shared: {name} {entry['status']}" + (f": {entry['reason']}" if entry["reason"] else "")
             + f" ({entry['seconds'] / 60:.1f} min)")
@@ -113,6 +131,10 @@ def problems(entries: list[dict]) -> list[str]:
                            "not parse or validate")
         elif e["status"] == "ran" and e["workload"] == "multiturn" and e["results"]["answers"] == "DIFFERENT":
             out.append(f"{tag}: greedy answers differ with and without prefix caching (not at a near-tie)")
+        elif e["status"] == "ran" and e["workload"] == "predicted":
+            out += [f"{tag}: request {d['request']} answered otherwise with the {name} prediction: "
+                    f"{d['verdict']['text']}" for name, diffs in e["results"]["differences"].items() for d in diffs
+                    if not d["verdict"]["tie"]]
     return out
 
 
@@ -124,6 +146,11 @@ def correctness_line(e: dict) -> str:
     if e["workload"] == "structured":
         r = e["results"]["json_schema"]
         return f"{tag}: {r['valid_json']}/{r['requests']} constrained answers parse and validate"
+    if e["workload"] == "predicted":
+        diffs = [d for ds in e["results"]["differences"].values() for d in ds]
+        ties = sum(d["verdict"]["tie"] for d in diffs)
+        return (f"{tag}: {2 * e['settings']['requests'] - len(diffs)}/{2 * e['settings']['requests']} greedy "
+                f"answers with a prediction as without" + (f" ({ties} more differ at a near-tie)" if ties else ""))
     same = answers_text(e["results"]["answers"])
     turns = e["settings"]["conversations"] * e["settings"]["turns"]
     return f"{tag}: {turns} greedy answers {same} with and without prefix caching"

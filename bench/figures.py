@@ -227,6 +227,10 @@ def structured_figures(entry: dict) -> list[Figure]:
 
 
 def feature_figures(entry: dict) -> list[Figure]:
+    """The issues' figures of a feature workload (predicted outputs answer to none: their section says
+    what they measured)."""
+    if entry["workload"] == "predicted":
+        return []
     return multiturn_figures(entry) if entry["workload"] == "multiturn" else structured_figures(entry)
 
 

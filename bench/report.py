@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bench.figures import Figure
 from bench.plans import Load
+from bench.predicted import markdown as predicted_markdown
 
 
 def _n(x: float | None, fmt: str = "{:.1f}") -> str:
@@ -183,7 +184,8 @@ def feature_lines(e: dict) -> list[str]:
     if e["status"] != "ran":
         return [*head, f"**{e['status']}**: {e['reason']}", ""]
     settings = ", ".join(f"{k} {v}" for k, v in e["settings"].items())
-    table = structured_table(e["results"]) if e["workload"] == "structured" else multiturn_table(e["results"])
+    table = (structured_table(e["results"]) if e["workload"] == "structured"
+             else predicted_markdown(e["results"]) if e["workload"] == "predicted" else multiturn_table(e["results"]))
     return [*head, f"Settings: {settings}. {e['seconds'] / 60:.1f} min.", "", *table, ""]
 
 

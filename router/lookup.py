@@ -50,33 +50,35 @@ class PromptLookup:
         if self._last_offer[:2] == (end, k):
             return list(self._last_offer[2])
         self._index(history, end - 1)  # everything but the suffix itself
-        offer = self._predicted_offer(history, k, end) if self.prediction else []
-        for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
-            if offer:
-                break
+        offer, matched, followed = self._predicted_offer(history, k, end) if self.prediction else ([], 0, 0)
+        for n in range(min(self.n_max, end - 1), max(self.n_min, matched + 1) - 1, -1):  # a longer match wins
             at = self._last.get(tuple(history[end - n:end]))
             if at is not None:
-                offer = list(history[at:min(at + k, end)])
+                offer, matched = list(history[at:min(at + k, end)]), 0
+                break
+        if matched:
+            self._followed = followed
         self._last_offer = (end, k, offer)
         return list(offer)
 
-    def _predicted_offer(self, history: Seq[int], k: int, end: int) -> list[int]:
-        """The prediction's continuation: after its start while the output is that start, else after the
-        next occurrence (from the last one followed) of the history's longest suffix found in it."""
+    def _predicted_offer(self, history: Seq[int], k: int, end: int) -> tuple[list[int], int, int]:
+        """The prediction's continuation, the length of the suffix it matched (0: none; past n_max on the
+        prediction's start, which no history match beats) and where it continues the prediction: after
+        its start while the output is that start, else after the next occurrence (from the last one
+        followed) of the history's longest suffix found in it."""
         done = end - self.start  # output tokens so far
         pred = self.prediction
         while self._on_prefix < min(done, len(pred)) and history[self.start + self._on_prefix] == pred[self._on_prefix]:
             self._on_prefix += 1
-        if self._on_prefix == done >= 0:
-            self._followed = done
-            return pred[done:done + k]
+        if self._on_prefix == done >= 0 and done < len(pred):
+            return pred[done:done + k], self.n_max + 1, done
         for n in range(min(self.n_max, done), self.n_min - 1, -1):
             ends = self._predicted.get(tuple(history[end - n:end]))
             if ends:
                 at = next((e for e in ends if e >= self._followed), ends[0])
-                self._followed = at
-                return pred[at:at + k]
-        return []
+                if at < len(pred):
+                    return pred[at:at + k], n, at
+        return [], 0, 0
 
     def _index(self, history: Seq[int], upto: int) -> None:
         for stop in range(max(self._indexed, self.n_min), upto + 1):

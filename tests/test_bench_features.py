@@ -15,7 +15,7 @@ from bench.figures import Figure, feature_figures, summary_lines
 
 def test_workloads_parse_in_a_fixed_order_and_refuse_unknown_names() -> None:
     assert features.parse_workloads("multiturn, main") == ["main", "multiturn"]
-    assert features.parse_workloads(features.DEFAULT_WORKLOADS) == ["main", "structured", "multiturn"]
+    assert features.parse_workloads(features.DEFAULT_WORKLOADS) == ["main", "structured", "multiturn", "predicted"]
     with pytest.raises(ValueError, match=r"unknown \['chat'\]"):
         features.parse_workloads("main,chat")
     with pytest.raises(ValueError, match="no workload"):
@@ -89,6 +89,26 @@ def test_a_workload_that_did_not_run_gives_na_figures_and_fails_only_when_it_cra
     assert "did not run" not in features.correctness_line(na) and "n/a" in features.correctness_line(na)
 
 
+def _predicted(mismatch: bool = False) -> dict:
+    pass_ = {"requests": 4, "output_tokens": 640, "wall_s": 2.0, "tokens_per_s": 320.0, "output_tokens_per_step": 2.5,
+             "mean_latency_s": 1.0, "lookup_share": 0.9, "acceptance": 0.95}
+    verdict = {"tie": not mismatch, "below_best": [0.0, 0.5], "text": "MISMATCH (...)" if mismatch else "near-tie"}
+    return {"workload": "predicted", "pair": "demo", "mode": "shared", "status": "ran", "reason": "",
+            "seconds": 20.0, "settings": {"requests": 4},
+            "results": {"free": pass_, "exact": pass_, "edited": pass_,
+                        "differences": {"exact": [], "edited": [{"request": 2, "verdict": verdict}]}}}
+
+
+def test_predicted_outputs_fail_the_run_only_where_an_answer_changed_beyond_a_near_tie() -> None:
+    assert features.problems([_predicted()]) == [] and feature_figures(_predicted()) == []
+    assert features.problems([_predicted(mismatch=True)]) == [
+        "demo predicted: request 2 answered otherwise with the edited prediction: MISMATCH (...)"]
+    assert features.correctness_line(_predicted()) == ("correctness, demo predicted: 7/8 greedy answers with a "
+                                                        "prediction as without (1 more differ at a near-tie)")
+    text = "\n".join(report.feature_lines(_predicted()))
+    assert "## demo, predicted workload (shared)" in text and "| edited | 3/4 (1 near-ties) | 2.50 | 0.90 |" in text
+
+
 def test_feature_sections_render_from_saved_json(tmp_path: Path) -> None:
     entries = [_structured(), _multiturn(acc_on=math.nan),
                {**_multiturn(), "pair": "tiny", "status": "n/a", "reason": "too short", "results": {}}]
@@ -125,19 +145,21 @@ def test_a_workload_that_raises_anything_is_recorded_as_failed_and_the_run_goes_
 
 @pytest.mark.slow
 def test_bench_runs_the_feature_workloads_on_a_real_stack(model_pair, tmp_path: Path) -> None:
-    """python -m bench --workloads structured,multiturn on the tiny pair: both run on real stacks, their
+    """python -m bench --workloads structured,multiturn,predicted on the tiny pair: each runs on a real stack, their
     figures and sections are written and the run succeeds (their numbers mean nothing here)."""
     from bench.__main__ import main
 
     target, _ = model_pair
     out = tmp_path / "out"
     assert main(["--quick", "--models", str(target.parent), "--mode", "shared", "--workloads",
-                 "structured,multiturn", "--out", str(out)]) == 0
+                 "structured,multiturn,predicted", "--out", str(out)]) == 0
     data = json.loads((out / "results.json").read_text())
-    assert data["runs"] == [] and [e["workload"] for e in data["features"]] == ["structured", "multiturn"]
+    assert data["runs"] == [] and [e["workload"] for e in data["features"]] == ["structured", "multiturn",
+                                                                                  "predicted"]
     assert all(e["status"] == "ran" for e in data["features"])
     assert {r["issue"] for r in data["figures"]} == {"#17", "#18"}
     structured = data["features"][0]["results"]["json_schema"]
     assert structured["valid_json"] == structured["requests"]
     assert data["features"][1]["results"]["answers_identical"]
     assert "structured workload" in (out / "results.md").read_text()
+    assert data["features"][2]["results"]["differences"] == {"exact": [], "edited": []}, "a prediction changes no token"

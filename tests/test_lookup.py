@@ -46,6 +46,11 @@ def test_an_output_that_parts_from_the_prediction_is_found_again_where_they_meet
     assert lookup.propose(out, 2) == [17, 18], "(10, 11) occurs twice: the occurrence after the one followed"
     history_only = PromptLookup(prediction=[40, 41], start=len(PROMPT))
     assert history_only.propose(PROMPT + [7, 8, 9, 7, 8], 2) == [9, 7], "no match in the prediction: the history"
+    longer = PromptLookup(prediction=[99, 8, 9, 30, 31], start=len(PROMPT))
+    out = PROMPT + [6, 7, 8, 9, 20, 21, 6, 7, 8, 9]
+    assert longer.propose(out, 2) == [20, 21], "the history matches 4 tokens, the prediction 2: the longer wins"
+    tied = PromptLookup(prediction=[99, 8, 9, 30, 31], start=len(PROMPT))
+    assert tied.propose(out[:-3] + [5, 8, 9], 2) == [30, 31], "both match 2 tokens: the prediction's"
 
 
 def test_the_index_grows_with_the_history():
