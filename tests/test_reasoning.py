@@ -237,6 +237,8 @@ def test_a_thinking_budget_ends_the_thinking_then_the_model_answers(thinking_pai
         assert answer["content"][0]["thinking"] == tok.decode(free[:4])
         refused = post(url, "/v1/chat/completions", messages=messages, thinking_token_budget=-1)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"
+        raw = post(url, "/v1/completions", prompt="Think", thinking_token_budget=4)
+        assert raw.status_code == 400 and "chat only" in raw.json()["error"]["message"]
 
 
 def test_a_thinking_budget_needs_a_reasoning_parser(thinking_pair):

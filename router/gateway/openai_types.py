@@ -236,6 +236,9 @@ class CompletionBody(_Common):
         """echo with logprobs: the prompt tokens' logprobs too; max_tokens 0 with echo: the prompt alone
         (with its logprobs, as eval harnesses ask)."""
         max_tokens = self.asked_max_tokens()
+        if self.thinking_token_budget is not None:
+            raise RequestError("thinking_token_budget", "chat only: the reasoning parser reads what a chat template "
+                                                        "opens, not a raw prompt")
         req = self._request(request_id, prompt_ids, defaults, self.logprobs, max_tokens)
         if self.echo and (self.logprobs is not None or max_tokens == 0):
             req = replace(req, prompt_logprobs=max(self.logprobs or 0, self.prompt_logprobs or 0))
