@@ -110,6 +110,7 @@ class Delta:
     prompt_logprobs: list[TokenLogprob] | None = None  # first Delta: prompt tokens 1.. (Request.prompt_logprobs)
     cached_tokens: int = 0  # prompt tokens the target took from its prefix cache instead of computing them
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_id that ended it (EOS: None)
+    prediction: tuple[int, int] | None = None  # with a predicted output: its tokens verified (accepted, rejected)
 
 
 class SeqStatus(enum.Enum):

@@ -40,6 +40,7 @@ class PromptLookup:
                 self._predicted.setdefault(tuple(self.prediction[stop - n:stop]), []).append(stop)
         self._on_prefix = 0  # output tokens known to equal the prediction's start
         self._followed = 0  # where in the prediction the last proposal from it continued
+        self.from_prediction = False  # the latest offer came from the prediction
 
     def propose(self, history: Seq[int], k: int, end: int | None = None) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of the history's suffix (the history:
@@ -58,6 +59,7 @@ class PromptLookup:
                 break
         if matched:
             self._followed = followed
+        self.from_prediction = bool(matched and offer)
         self._last_offer = (end, k, offer)
         return list(offer)
 

@@ -45,6 +45,12 @@ class OutputBuilder:
         self._prompt_logprobs: dict[int, TokenLogprob] = {}  # position -> logprob of the prompt token there
         self._prompt_sent = False  # the first Delta went out (it carries the prompt's logprobs)
         self.cached_prompt_tokens = 0  # prompt tokens the target attaches from its prefix cache (router.prefix)
+        self.prediction = (0, 0) if request.prediction else None  # its tokens verified: (accepted, rejected)
+
+    def predicted(self, k: int, accepted: int) -> None:
+        """A verification of k tokens of the predicted output, `accepted` of them accepted."""
+        assert self.prediction is not None, "a request with a prediction"
+        self.prediction = (self.prediction[0] + accepted, self.prediction[1] + k - accepted)
 
     def scored(self, start: int, logprobs: list[TokenLogprob]) -> None:
         """Logprobs of prompt tokens start, start + 1, ... (a recomputed chunk scores them again, alike)."""
@@ -138,10 +144,10 @@ class OutputBuilder:
         return Delta(token_ids=new_tokens, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
                      completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
                      index=self.index, prompt_logprobs=self.scored_prompt() if first else None,
-                     cached_tokens=self.cached_prompt_tokens, stop_reason=self.stop_reason)
+                     cached_tokens=self.cached_prompt_tokens, stop_reason=self.stop_reason, prediction=self.prediction)
 
     def abort(self, reason: FinishReason, error: Exception | None = None) -> Delta:
         self.finish_reason = reason
         return Delta(token_ids=[], text="", finish_reason=reason, error=error,
                      completion_tokens=len(self.output_ids), prompt_tokens=len(self.request.prompt_ids),
-                     index=self.index, cached_tokens=self.cached_prompt_tokens)
+                     index=self.index, cached_tokens=self.cached_prompt_tokens, prediction=self.prediction)

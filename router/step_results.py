@@ -59,6 +59,8 @@ class StepResults:
         if seq.seq_id in self.spec.lookup_passed:
             self.spec.lookup_acceptance.passed(seq.lookup_tracker)
         seq.stats.verified(k, res.num_accepted)
+        if by_lookup and k and seq.lookup.from_prediction:
+            seq.output.predicted(k, res.num_accepted)
         if k:
             self.metrics.num_drafts.inc()
             self.metrics.num_draft_tokens.inc(k)

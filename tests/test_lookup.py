@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import httpx
+from tokenizers import Tokenizer
 
 from router.config import RouterConfig
 from router.core import GREEDY, Request, Sequence
@@ -122,6 +123,18 @@ def test_a_predicted_output_is_proposed_and_changes_nothing_but_the_steps(model_
         r = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
                                                              "prediction": {"type": "audio", "content": "x"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prediction"
+        # whole words, each one token (" self", " in", ...), so the answer's text tokenizes back to its tokens:
+        # its prediction is proposed whole, and the usage says how much of it was accepted
+        tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+        words = [t for t in range(2, 400) if (w := tok.decode([t])).startswith(" ") and w[1:].isalpha()
+                 and tok.encode(w, add_special_tokens=False).ids == [t]]
+        free = complete(router.url, prompt, n, allowed_token_ids=words)
+        assert "completion_tokens_details" not in free["usage"], "no prediction, no prediction counts"
+        same = complete(router.url, prompt, n, allowed_token_ids=words,
+                        prediction={"type": "content", "content": free["choices"][0]["text"]})
+        assert same["choices"][0]["token_ids"] == free["choices"][0]["token_ids"]
+        details = same["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] >= n // 2 and details["rejected_prediction_tokens"] <= 4, details
     finally:
         router.stop(), target.stop(), draft.stop()
 

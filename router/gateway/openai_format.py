@@ -28,8 +28,13 @@ def count_usage(deltas: list[Delta], n: int) -> dict:
     for i, d in last.items():  # a prompt's choices fork its computation: the one that attached says how much
         cached[i // n] = max(cached.get(i // n, 0), d.cached_tokens)
     completion = sum(d.completion_tokens for d in last.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    predicted = [d.prediction for d in last.values() if d.prediction is not None]
+    if predicted:  # OpenAI's: the predicted tokens verified, accepted into the answer or not
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in predicted),
+                                              "rejected_prediction_tokens": sum(r for _, r in predicted)}
+    return usage
 
 
 def by_choice(deltas: list[Delta]) -> list[list[Delta]]:
