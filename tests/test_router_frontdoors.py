@@ -86,7 +86,7 @@ def metrics_text(url: str) -> str:
 
 def sample(text: str, name: str, labels: str = "") -> float | None:
     """Value of one exposition sample (name{labels} value), None when absent."""
-    pat = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
+    pat = re.compile(rf'^{re.escape(name)}(\{{(?:[^}}"]|"[^"]*")*\}})? (\S+)$', re.M)  # label values may hold }
     for m in pat.finditer(text):
         if labels in (m.group(1) or ""):
             return float(m.group(2))
@@ -487,10 +487,12 @@ def test_metrics_expose_documented_names_with_consistent_values(stack):
     post(url, "/v1/completions", prompt=IDS_PROMPT, max_tokens=2)
     httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
     httpx.get(f"{url}/no/such/path")
+    httpx.get(f"{url}/v1/responses/resp_nothing")  # a route with a parameter counts under its template
     text = metrics_text(url)
     assert sample(text, "tandem:http_requests_total", 'route="/v1/completions",status="200"') == answered + 1
     assert sample(text, "tandem:http_requests_total", 'route="/v1/completions",status="400"') == refused + 1
     assert sample(text, "tandem:http_requests_total", 'route="other",status="404"') >= 1
+    assert sample(text, "tandem:http_requests_total", 'route="/v1/responses/{response_id}",status="404"') == 1
 
 
 def test_several_prompts_are_answered_as_one_request(stack):
