@@ -230,6 +230,10 @@ def test_a_thinking_budget_ends_the_thinking_then_the_model_answers(thinking_pai
             assert ids[budget + 1:] == hf_greedy(target_dir, prompt + ids[:budget + 1], 30 - budget - 1)
             assert (choice["message"]["reasoning_content"] or "") == tok.decode(ids[:budget])
             assert choice["message"]["content"] == tok.decode(ids[budget + 1:])
+            assert r.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] == budget + 1, "</think> too"
+        reply = httpx.post(f"{url}/v1/responses", timeout=60, json={
+            "model": "tiny", "input": messages[0]["content"], "max_output_tokens": 12, "temperature": 0}).json()
+        assert reply["usage"]["output_tokens_details"]["reasoning_tokens"] == 12, "never ends its thinking: all of it"
         answer = httpx.post(f"{url}/v1/messages", timeout=60, json={
             "model": "tiny", "max_tokens": 12, "messages": messages, "temperature": 0,
             "thinking": {"type": "enabled", "budget_tokens": 4}}).json()

@@ -40,6 +40,7 @@ from router.gateway.messages_format import MessagesFormat, anthropic_error
 from router.gateway.openai_format import ChatFormat, CompletionFormat
 from router.gateway.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from router.gateway.reasoning import CLOSE as THINK_END
+from router.gateway.reasoning import OPEN as THINK_START
 from router.gateway.reasoning import Reasoning
 from router.gateway.responses_body import ResponsesBody
 from router.gateway.responses_format import ResponsesFormat
@@ -121,8 +122,9 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False
             req = dataclasses.replace(req, grammar_opens_after=end) if thinking and end is not None else req
             reasoning = reasoning if req.grammar_opens_after is not None else None
+        think = engine.codec.tokenizer.token_to_id(THINK_END), engine.codec.tokenizer.token_to_id(THINK_START)
         return req, ChatFormat(engine.codec.decode_one, body.model, req, body.return_token_ids, tools=calling,
-                               reasoning=Reasoning.named(reasoning) if reasoning else None)
+                               reasoning=Reasoning.named(reasoning, *think) if reasoning else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

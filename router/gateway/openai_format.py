@@ -70,7 +70,7 @@ class CompletionFormat:
         self.prompt_top: int | None = None  # vLLM's prompt_logprobs, when asked: its top alternatives
         self._latest: dict[int, Delta] = {}  # each choice's last delta streamed: the usage so far
 
-    def _usage(self, deltas: list[Delta]) -> dict:
+    def usage(self, deltas: list[Delta]) -> dict:
         usage = count_usage(deltas, self.req.n)
         if self.metrics is not None:
             usage["tandem_metrics"] = self.metrics()
@@ -136,11 +136,11 @@ class CompletionFormat:
         return f"data: {json.dumps(error)}\n\n"
 
     def usage_chunk(self, deltas: list[Delta]) -> dict:
-        return {**self._base([], self.chunk_name), "usage": self._usage(deltas)}
+        return {**self._base([], self.chunk_name), "usage": self.usage(deltas)}
 
     def whole(self, deltas: list[Delta]) -> dict:
         choices = [self._with_ids(self._choice(ds, False), ds) for ds in by_choice(deltas)]
-        return {**self._base(choices, self.object_name), "usage": self._usage(deltas)}
+        return {**self._base(choices, self.object_name), "usage": self.usage(deltas)}
 
 
 def prompt_logprobs(deltas: list[Delta], decode, top: int) -> list[dict | None]:  # noqa: ANN001
@@ -183,6 +183,13 @@ class ChatFormat(CompletionFormat):
         super().__init__(*args, **kwargs)
         self.tools, self.reasoning = tools, reasoning
         self._held: dict[int, _Held] = {}
+
+    def usage(self, deltas: list[Delta]) -> dict:
+        usage = super().usage(deltas)
+        if self.reasoning is not None:
+            thought = sum(self.reasoning.tokens([t for d in ds for t in d.token_ids]) for ds in by_choice(deltas))
+            usage.setdefault("completion_tokens_details", {})["reasoning_tokens"] = thought
+        return usage
 
     def whole(self, deltas: list[Delta]) -> dict:
         out = super().whole(deltas)

@@ -34,11 +34,22 @@ def without_partial(text: str, marker: str) -> str:
 @dataclass(frozen=True)
 class Reasoning:
     starts_inside: bool  # deepseek_r1: the output begins in a think block its prompt opened
+    end_id: int | None = None  # </think> as one token, where the vocabulary has it (to count reasoning tokens)
+    start_id: int | None = None  # <think> likewise
 
     @classmethod
-    def named(cls, parser: str) -> Reasoning:
+    def named(cls, parser: str, end_id: int | None = None, start_id: int | None = None) -> Reasoning:
         assert parser in REASONING_PARSERS, parser
-        return cls(starts_inside=parser == "deepseek_r1")
+        return cls(parser == "deepseek_r1", end_id, start_id)
+
+    def tokens(self, ids: list[int]) -> int:
+        """How many of an answer's tokens are its thinking, markers included (0 where the markers are
+        not single tokens): OpenAI's usage.completion_tokens_details.reasoning_tokens."""
+        if self.end_id is None or not ids:
+            return 0
+        if not self.starts_inside and (self.start_id is None or ids[0] != self.start_id):
+            return 0
+        return ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)
 
     def split(self, text: str, finished: bool) -> tuple[str, str | None]:
         """(the reasoning that may be shown, the answer so far: None while the model is still thinking,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.core import Delta
-from router.gateway.openai_format import ChatFormat, count_usage
+from router.gateway.openai_format import ChatFormat
 from router.gateway.responses_body import ResponsesBody
 
 _TEXT_EVENT = {"message": "output_text", "reasoning": "reasoning_text"}
@@ -88,7 +88,7 @@ class ResponsesFormat:
         """The response object; deltas None: still in progress (no usage yet)."""
         if status is None:
             status = "incomplete" if self.finish == "length" else "completed"
-        body, usage = self.body, count_usage(deltas, 1) if deltas else None
+        body, usage = self.body, self.chat.usage(deltas) if deltas else None
         return {
             "id": self.id, "object": "response", "created_at": self.created, "model": self.model, "status": status,
             "completed_at": time.time() if deltas is not None else None, "error": None,
@@ -102,7 +102,8 @@ class ResponsesFormat:
                 "input_tokens": usage["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                          "cache_write_tokens": 0},
-                "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": usage["completion_tokens"], "output_tokens_details": {
+                    "reasoning_tokens": usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
                 "total_tokens": usage["total_tokens"]},
         }
 
