@@ -8,11 +8,14 @@ import logging
 import sys
 from pathlib import Path
 
+import jinja2
+
 from common.cli import env_settable
 from common.logs import add_log_args, setup_logging
 from common.tls import TLSError
 from common.tracing import add_tracing_args, tracing_from_args
 from router.adapters import IncompatibleTarget
+from router.chat import compile_template
 from router.config import REASONING_PARSERS, SCHEDULING_POLICIES, TOOL_PARSERS, RouterConfig
 from router.core import ServiceUnavailable
 from router.drafting import IncompatibleDraft
@@ -37,6 +40,9 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
                    help="directory with tokenizer.json, the chat template and generation_config.json (its sampling "
                         "defaults apply to requests that leave them out): usually the target model directory")
     p.add_argument("--served-model-name", default="", help="model name clients use (default: tokenizer dir name)")
+    p.add_argument("--chat-template", default="", metavar="FILE",
+                   help="a Jinja chat template rendering chats instead of the model's own (vLLM's flag; as "
+                        "transformers' apply_chat_template renders it, with the tokenizer's special tokens)")
     p.add_argument("--host", default="127.0.0.1", help="address for HTTP and gRPC (0.0.0.0 in a container)")
     p.add_argument("--port", "--http-port", type=int, default=8000, help="HTTP port (OpenAI-compatible API)")
     p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (tandem.v1.Generate)")
@@ -112,7 +118,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefix_caching=not args.no_prefix_caching,
         target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace,
         lease_ttl_s=args.lease_ttl, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, chat_template=args.chat_template)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
@@ -127,6 +133,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
     if not (Path(args.tokenizer) / "tokenizer.json").is_file():
         print(f"--tokenizer {args.tokenizer}: no tokenizer.json there", file=sys.stderr)
         return 2
+    if args.chat_template:
+        try:
+            compile_template(Path(args.chat_template).read_text())
+        except (OSError, UnicodeDecodeError, jinja2.TemplateError) as err:
+            print(f"--chat-template {args.chat_template}: {err}", file=sys.stderr)
+            return 2
     endpoints = Endpoints(target=args.target, draft=args.draft, tokenizer_dir=args.tokenizer,
                           model_name=args.served_model_name or Path(args.tokenizer).resolve().name,
                           host=args.host, http_port=args.port, grpc_port=args.grpc_port)

@@ -58,14 +58,18 @@ class ChatFormatter:
         self.template = compile_template(template) if template else None
 
     @classmethod
-    def from_dir(cls, tokenizer_dir: str | Path) -> ChatFormatter:
+    def from_dir(cls, tokenizer_dir: str | Path, template_file: str | Path | None = None) -> ChatFormatter:
+        """The model's template (template_file, a Jinja file, instead: vLLM's --chat-template), with the
+        special tokens of its tokenizer_config.json."""
         tokenizer_dir = Path(tokenizer_dir)
         config_path = tokenizer_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         special = {name: _token_text(config.get(name)) for name in _SPECIAL if config.get(name) is not None}
         jinja_file = tokenizer_dir / "chat_template.jinja"
         template, source = None, "none: plain 'role: content' fallback"
-        if jinja_file.is_file():
+        if template_file:
+            template, source = Path(template_file).read_text(), f"{template_file} (--chat-template)"
+        elif jinja_file.is_file():
             template, source = jinja_file.read_text(), str(jinja_file)
         elif config.get("chat_template"):
             template = config["chat_template"]

@@ -23,10 +23,11 @@ MAX_BAD_WORD_CHARS = 256
 
 
 class TextCodec:
-    def __init__(self, tokenizer_dir: str | Path, threads: int = 2) -> None:
+    def __init__(self, tokenizer_dir: str | Path, threads: int = 2, chat_template: str = "") -> None:
+        """chat_template: a Jinja file rendering chats instead of the model's own template."""
         tokenizer_dir = Path(tokenizer_dir)
         self.tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-        self.chat = ChatFormatter.from_dir(tokenizer_dir)
+        self.chat = ChatFormatter.from_dir(tokenizer_dir, chat_template or None)
         # Every token stands for at most this many bytes of text: a prompt of B bytes has at least
         # B / max_token_bytes tokens, so one far too long is refused without encoding it.
         self.max_token_bytes = max(1, max(len(self.tokenizer.decode([i]).encode()) for i in

@@ -44,6 +44,7 @@ class RouterConfig:
     lease_ttl_s: float = 10.0  # a replica this router stops renewing is freed for others after this long
     tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice "auto" (router.gateway.tools)
     reasoning_parser: str | None = None  # where a reasoning model's thinking ends (router.gateway.reasoning)
+    chat_template: str = ""  # a Jinja file rendering chats instead of the model's own template (vLLM's flag)
     router_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}")
 
     def __post_init__(self) -> None:

@@ -85,7 +85,7 @@ class RouterEngine:
         """target_spec / draft_spec: where the replicas are (router.discovery.parse_spec)."""
         self.config = config
         self.metrics = Metrics(config.k_max)
-        self.codec = TextCodec(tokenizer_dir)
+        self.codec = TextCodec(tokenizer_dir, chat_template=config.chat_template)
         self.fingerprint = tokenizer_fingerprint(tokenizer_dir)
         self.sampling_defaults = SamplingParams.from_generation_config(tokenizer_dir)
         self.replicas = Replicas(config, self.metrics, parse_spec(target_spec),

@@ -64,6 +64,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
                    help="LoRA adapters (PEFT directories) the target serves, each a model name requests may ask "
                         "for (the target's flag; the draft proposes with the base model)")
+    p.add_argument("--chat-template", default="", metavar="FILE",
+                   help="a Jinja chat template instead of the model's own (the router's flag)")
     p.add_argument("--enable-runtime-lora", action="store_true",
                    help="LoRA adapters may be loaded and unloaded while serving: POST /v1/load_lora_adapter "
                         "{\"lora_name\", \"lora_path\"} and /v1/unload_lora_adapter (vLLM's; the target's flag)")
@@ -131,8 +133,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -
 
 
 def _parsers(args: argparse.Namespace) -> list[str]:
-    return [f"--{flag.replace('_', '-')}={value}" for flag in ("tool_call_parser", "reasoning_parser")
-            if (value := getattr(args, flag)) is not None]
+    """The router's own flags tandem serve takes."""
+    return [f"--{flag.replace('_', '-')}={value}" for flag in ("tool_call_parser", "reasoning_parser", "chat_template")
+            if (value := getattr(args, flag))]
 
 
 def _interrupt(signum: int, frame: object) -> None:

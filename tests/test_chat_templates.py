@@ -101,6 +101,26 @@ def test_template_from_tokenizer_config_and_named_templates(tmp_path):
     assert ChatFormatter.from_dir(d).render(msgs) == rendered
 
 
+def test_a_chat_template_file_replaces_the_models_own_as_transformers_would_render_it(tmp_path):
+    """The router's --chat-template: the file's template, with the model's special tokens, renders what
+    transformers' apply_chat_template(chat_template=...) renders."""
+    template, bos = TEMPLATES[sorted(TEMPLATES)[0]]
+    d = save_transformers5_layout(tmp_path / "model", SMOLLM2_STYLE, None)
+    custom = tmp_path / "custom.jinja"
+    custom.write_text(template)
+    dicts = [{"role": r, "content": c} for r, c in CONVERSATIONS[1]]
+    hf = AutoTokenizer.from_pretrained(d)
+    want = hf.apply_chat_template(dicts, tokenize=True, add_generation_prompt=True, return_dict=False,
+                                  chat_template=template)
+    codec = TextCodec(d, chat_template=str(custom))
+    try:
+        assert asyncio.run(codec.encode_chat(dicts, 100_000)) == want
+        assert codec.chat.source.endswith("(--chat-template)")
+        assert want != hf.apply_chat_template(dicts, tokenize=True, add_generation_prompt=True, return_dict=False)
+    finally:
+        codec.close()
+
+
 def test_no_template_falls_back_to_plain_roles(tmp_path):
     write_tokenizer(tmp_path)
     msgs = [("system", "Be brief."), ("user", "Hi")]

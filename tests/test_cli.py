@@ -97,3 +97,15 @@ def test_lora_modules_are_checked_before_anything_loads(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             target_main(["--model", str(tmp_path), *argv])
         assert exit_.value.code == 2 and says in capsys.readouterr().err, argv
+
+
+def test_a_chat_template_that_does_not_compile_stops_the_router_before_it_connects(tmp_path, capsys):
+    from router.__main__ import main as router_main
+    from tests.conftest import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    for path, says in ((broken, "broken.jinja"), (tmp_path / "none.jinja", "No such file")):
+        code = router_main(["--target", "127.0.0.1:1", "--tokenizer", str(tmp_path), "--chat-template", str(path)])
+        assert code == 2 and says in capsys.readouterr().err
