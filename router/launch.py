@@ -133,9 +133,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m router.launch") -
 
 
 def _parsers(args: argparse.Namespace) -> list[str]:
-    """The router's own flags tandem serve takes."""
-    return [f"--{flag.replace('_', '-')}={value}" for flag in ("tool_call_parser", "reasoning_parser", "chat_template")
-            if (value := getattr(args, flag))]
+    """The router's own flags tandem serve takes (a file by its absolute path: the router may start elsewhere)."""
+    values = {"tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
+              "chat_template": str(Path(args.chat_template).resolve()) if args.chat_template else None}
+    return [f"--{flag.replace('_', '-')}={value}" for flag, value in values.items() if value]
 
 
 def _interrupt(signum: int, frame: object) -> None:
