@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,13 @@ def test_a_chat_template_that_does_not_compile_stops_the_router_before_it_connec
     for path, says in ((broken, "broken.jinja"), (tmp_path / "none.jinja", "No such file")):
         code = router_main(["--target", "127.0.0.1:1", "--tokenizer", str(tmp_path), "--chat-template", str(path)])
         assert code == 2 and says in capsys.readouterr().err
+
+
+def test_tandem_serve_hands_the_router_its_own_flags():
+    from router.launch import _parsers
+    from router.launch import build_parser as serve_parser
+
+    args = serve_parser("tandem serve").parse_args(["models/x", "--chat-template", "t.jinja", "--tool-call-parser",
+                                                     "hermes"])
+    assert _parsers(args) == ["--tool-call-parser=hermes", f"--chat-template={Path('t.jinja').resolve()}"]
+    assert _parsers(serve_parser("tandem serve").parse_args(["models/x"])) == []
