@@ -38,13 +38,14 @@ from router.gateway.lora_api import add_lora_routes
 from router.gateway.messages_body import MessagesBody
 from router.gateway.messages_format import MessagesFormat, anthropic_error
 from router.gateway.openai_format import ChatFormat, CompletionFormat
-from router.gateway.openai_types import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from router.gateway.openai_types import ChatBody, CompletionBody
 from router.gateway.reasoning import CLOSE as THINK_END
 from router.gateway.reasoning import OPEN as THINK_START
 from router.gateway.reasoning import Reasoning
 from router.gateway.responses_body import ResponsesBody
 from router.gateway.responses_format import ResponsesFormat
 from router.gateway.responses_store import ResponseNotFound, ResponseStore, add_stored_response_routes
+from router.gateway.tokenize_body import DetokenizeBody, TokenizeBody
 from router.request_stats import report
 from router.tracing import RouterTracer
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies (completions and chat, and vLLM's tokenize and detokenize),
+"""OpenAI-compatible request bodies (completions and chat; vLLM's tokenize and detokenize: tokenize_body),
 checked and turned into Requests; chat's tools as router.gateway.tools takes them (OpenAI's
 Predicted Outputs, `prediction`, are proposed by prompt lookup: router.lookup). Extensions beyond
 OpenAI's fields: top_k, min_p, ignore_eos, max_speculative_tokens, typical_acceptance, return_token_ids,
@@ -293,34 +293,3 @@ class ChatBody(_Common):
         if req.constraint is not None:
             raise RequestError(req.constraint.field, "one output constraint per request (also given: tool_choice)")
         return replace(req, constraint=constraint)
-
-
-class TokenizeBody(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: StrictStr
-    prompt: StrictStr | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    tools: list[dict] | None = None
-    chat_template_kwargs: dict | None = None
-
-    def chat(self) -> tuple[list[dict], dict[str, object]] | None:
-        """The conversation and its template options, checked; None when a prompt was given instead."""
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestError("prompt", "give prompt or messages, one of them")
-        if self.messages is None:
-            return None
-        return conversation(self.messages), template_options(self.messages, self.add_generation_prompt,
-                                                             self.continue_final_message, self.tools,
-                                                             self.chat_template_kwargs)
-
-
-class DetokenizeBody(BaseModel):
-    """vLLM's /detokenize: token ids to text, as an answer shows it (special tokens skipped)."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: StrictStr
-    tokens: list[StrictInt]
