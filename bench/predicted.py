@@ -83,12 +83,13 @@ def judged(models: Path, prompt_ids: list[list[int]], free: list[dict], other: l
                                                                     strict=True)]
 
 
-def measure(models: Path, n: int, log_dir: Path) -> dict:
-    """Start the stack (shared: no pinning), run the three passes of n requests, stop it. res[pass] =
-    summary with the answers; res["differences"][pass] = judged differences from the free pass."""
+def measure(models: Path, n: int, log_dir: Path, router_args: list[str] | None = None) -> dict:
+    """Start the stack (shared: no pinning; router_args: more router flags), run the three passes of n
+    requests, stop it. res[pass] = summary with the answers; res["differences"][pass] = judged
+    differences from the free pass."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(models / "target", models / "draft", served_model_name=models.resolve().name,
-                  **stack_ports(), router_args=["--log-level", "WARNING"], log_dir=log_dir)
+                  **stack_ports(), router_args=["--log-level", "WARNING", *(router_args or [])], log_dir=log_dir)
     stack.start(timeout=300.0)
     try:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
@@ -129,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None, help=f"requests per pass (default {REQUESTS})")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests per pass")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--router-arg", action="append", default=[],
+                        help="a router flag for the stack (repeat), e.g. --router-arg=--num-speculative-tokens=8")
     args = parser.parse_args(argv)
     res = measure(args.models, args.requests or (QUICK_REQUESTS if args.quick else REQUESTS),
-                  args.out / "logs-predicted")
+                  args.out / "logs-predicted", args.router_arg)
     (args.out / "predicted.json").write_text(json.dumps(res, indent=1))
     print("\n".join(markdown(res)))
     mismatches = [d for diffs in res["differences"].values() for d in diffs if not d["verdict"]["tie"]]
