@@ -29,11 +29,11 @@ class IncompatibleTarget(RuntimeError):
 
 
 class AdapterUpdateFailed(Exception):
-    """A runtime update refused or not made, with the HTTP status that says why."""
+    """A runtime update refused or not made, with the HTTP status that says why and the field it names."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str = "lora_name") -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param
 
 
 class Adapters:
@@ -126,6 +126,6 @@ def _refusal(err: BaseException) -> AdapterUpdateFailed:
     """The HTTP answer to a target's refusal to load."""
     if isinstance(err, ServiceDown):
         return AdapterUpdateFailed(503, f"a target replica is unavailable: {err}")
-    if isinstance(err, Rejected):
-        return AdapterUpdateFailed(400, err.details)
+    if isinstance(err, Rejected):  # the target names the field: "path: ..." is the directory's fault
+        return AdapterUpdateFailed(400, err.details, "lora_path" if err.details.startswith("path") else "lora_name")
     return AdapterUpdateFailed(500 if isinstance(err, ServiceError) else 400, str(err))

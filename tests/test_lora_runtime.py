@@ -127,12 +127,13 @@ def test_a_loaded_adapter_is_listed_and_answers_as_the_merged_model(stack, model
     out = complete(stack.url, PROMPT[:9], 12, model="hot")
     assert out["choices"][0]["token_ids"] == hf_greedy(dirs["a"] / "merged", PROMPT[:9], 12)
     assert out["choices"][0]["token_ids"] != complete(stack.url, PROMPT[:9], 12)["choices"][0]["token_ids"]
-    for body, status, says in [({"lora_name": "hot", "lora_path": str(dirs["b"])}, 400, "already been loaded"),
-                               ({"lora_name": "tiny", "lora_path": str(dirs["b"])}, 400, "name an adapter"),
-                               ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "no PEFT LoRA adapter"),
-                               ({"lora_name": "x"}, 400, "lora_path")]:
+    for body, param, says in [({"lora_name": "hot", "lora_path": str(dirs["b"])}, "lora_name", "already been loaded"),
+                              ({"lora_name": "tiny", "lora_path": str(dirs["b"])}, "lora_name", "name an adapter"),
+                              ({"lora_name": "x", "lora_path": "/nowhere"}, "lora_path", "no PEFT LoRA adapter"),
+                              ({"lora_name": "x"}, "lora_path", "lora_path")]:
         r = _post(stack, "/v1/load_lora_adapter", **body)
-        assert r.status_code == status and says in r.json()["error"]["message"], r.text
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == param, r.text
     assert _post(stack, "/v1/unload_lora_adapter", lora_name="hot").status_code == 200
     assert _post(stack, "/v1/unload_lora_adapter", lora_name="hot").status_code == 404
 

@@ -52,7 +52,7 @@ def add_lora_routes(app: FastAPI, engine: RouterEngine, model_name: str) -> None
         except Refusal as e:
             return e.response
         except AdapterUpdateFailed as e:
-            return error(e.status, str(e), "lora_name", KINDS.get(e.status, "invalid_request_error"))
+            return error(e.status, str(e), e.param, KINDS.get(e.status, "invalid_request_error"))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -63,5 +63,5 @@ def add_lora_routes(app: FastAPI, engine: RouterEngine, model_name: str) -> None
         except Refusal as e:
             return e.response
         except AdapterUpdateFailed as e:
-            return error(e.status, str(e), "lora_name", KINDS.get(e.status, "invalid_request_error"))
+            return error(e.status, str(e), e.param, KINDS.get(e.status, "invalid_request_error"))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
