@@ -43,6 +43,9 @@ def build_parser(prog: str = "python -m target_service") -> argparse.ArgumentPar
                         help="let the router load and unload LoRA adapters while serving (its /v1/load_lora_adapter "
                              "and /v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): it names a "
                              "directory on this machine, which this service then reads")
+    parser.add_argument("--runtime-lora-root", type=Path, default=None, metavar="DIR",
+                        help="with --enable-runtime-lora: load only adapters whose directory lies inside DIR "
+                             "(default: any directory this service can read)")
     parser.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS,
                         help="the most LoRA adapters held at once, --lora-modules included (each takes memory "
                              "beside the KV cache)")
@@ -103,7 +106,7 @@ def _lora_modules(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str
 def _serve(args: argparse.Namespace, runner: ModelRunner, transport: Transport, thread: ThreadPoolExecutor) -> int:
     tracing = tracing_from_args(args, "tandem-target")
     servicer = create_servicer(runner, args.model_id, args.max_draft_tokens, tracing, args.fail_on_token, thread,
-                               args.enable_runtime_lora, args.max_loras)
+                               args.enable_runtime_lora, args.max_loras, args.runtime_lora_root)
     tp = runner.tp if runner.tp is not SINGLE else None
     log.info("target %s: max_draft_tokens %d%s", servicer.worker.model_id, args.max_draft_tokens,
              f"; tensor parallel over {tp.size} ranks" if tp else "")

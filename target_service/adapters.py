@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from pathlib import Path
 
 import grpc
 
@@ -24,10 +25,12 @@ DEFAULT_MAX_LORAS = 16
 
 
 class RuntimeAdapters:
-    def __init__(self, worker: ModelWorker, enabled: bool, max_loras: int = DEFAULT_MAX_LORAS) -> None:
+    def __init__(self, worker: ModelWorker, enabled: bool, max_loras: int = DEFAULT_MAX_LORAS,
+                 root: Path | None = None) -> None:
         self.worker = worker
         self.enabled = enabled
         self.max_loras = max_loras  # adapters held at once, those of --lora-modules included
+        self.root = root.resolve() if root is not None else None  # loads only from directories inside it
 
     def _check_enabled(self) -> None:
         if not self.enabled:
@@ -40,6 +43,8 @@ class RuntimeAdapters:
             raise InvalidInput("name", "1 to 128 letters, digits and . _ : / -")
         if not path:
             raise InvalidInput("path", "the adapter's PEFT directory is required")
+        if self.root is not None and not Path(path).resolve().is_relative_to(self.root):
+            raise InvalidInput("path", f"{path} is outside --runtime-lora-root {self.root}")
         runner = self.worker.runner
         if runner.tp.size > 1:
             raise InvalidInput("name", "LoRA adapters are served with one tensor-parallel rank only")

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import torch
@@ -237,11 +238,12 @@ def _tokens(request: target_pb2.StepRequest) -> int:
 def create_servicer(runner: ModelRunner, model_id: str = "", max_draft_tokens: int = 8,
                     tracing: Tracing | None = None, fail_on_token: int = -1,
                     thread: ThreadPoolExecutor | None = None, runtime_lora: bool = False,
-                    max_loras: int = DEFAULT_MAX_LORAS) -> TargetServicer:
+                    max_loras: int = DEFAULT_MAX_LORAS, lora_root: Path | None = None) -> TargetServicer:
     """thread: the model thread the runner loaded on (engine.service.model_thread), if any;
-    runtime_lora: LoRA adapters may be loaded and unloaded while serving (at most max_loras held)."""
+    runtime_lora: LoRA adapters may be loaded and unloaded while serving (at most max_loras held; from
+    directories inside lora_root, where it is given)."""
     worker = ModelWorker(runner, model_id, max_draft_tokens, thread)
-    return TargetServicer(worker, tracing, fail_on_token, RuntimeAdapters(worker, runtime_lora, max_loras))
+    return TargetServicer(worker, tracing, fail_on_token, RuntimeAdapters(worker, runtime_lora, max_loras, lora_root))
 
 
 def register(server: grpc.aio.Server, servicer: TargetServicer) -> None:

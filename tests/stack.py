@@ -34,12 +34,12 @@ def start_target(model_dir: Path, num_blocks: int = 256, port: int = 0, block_si
                  step_delay_s: float = 0.0, transport: Transport | None = None, fail_on_token: int = -1,
                  max_batch_tokens: int = 2048, tracing: Tracing | None = None, grace_seconds: float = 5.0,
                  adapters: dict[str, Path] | None = None, runtime_lora: bool = False,
-                 max_loras: int = 16) -> tuple[RunningServer, ModelRunner]:
+                 max_loras: int = 16, lora_root: Path | None = None) -> tuple[RunningServer, ModelRunner]:
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=num_blocks, block_size=block_size, device="cpu",
                                                       max_batch_tokens=max_batch_tokens))
     runner.load_adapters(adapters or {})
     servicer = target_server.create_servicer(runner, tracing=tracing, fail_on_token=fail_on_token,
-                                             runtime_lora=runtime_lora, max_loras=max_loras)
+                                             runtime_lora=runtime_lora, max_loras=max_loras, lora_root=lora_root)
     if step_delay_s:  # both ways a router steps: a unary Step and each step of a StepStream
         def slowed(step):  # noqa: ANN001, ANN202
             async def slow_step(request, context):  # noqa: ANN001, ANN202

@@ -64,6 +64,20 @@ def test_a_target_loads_at_runtime_only_when_allowed(model_pair, dirs):
         server.stop()
 
 
+def test_a_root_keeps_runtime_loads_inside_it(model_pair, dirs):
+    server, runner = start_target(model_pair[0], runtime_lora=True, lora_root=dirs["a"].parent)
+    try:
+        stub = _stub(server)
+        assert _load(stub, "a", dirs["a"]).name == "a"
+        outside = dirs["a"].parent.parent / "elsewhere"
+        _refused(lambda: _load(stub, "b", outside), grpc.StatusCode.INVALID_ARGUMENT, "outside --runtime-lora-root")
+        _refused(lambda: _load(stub, "c", dirs["a"] / ".." / ".." / "x"), grpc.StatusCode.INVALID_ARGUMENT,
+                 "outside --runtime-lora-root")
+        assert list(runner.adapters) == ["a"]
+    finally:
+        server.stop()
+
+
 def test_target_load_unload_and_their_refusals(model_pair, dirs, tmp_path):
     server, runner = start_target(model_pair[0], runtime_lora=True, max_loras=2)
     try:
