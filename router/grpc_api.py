@@ -133,6 +133,7 @@ def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> gener
     metrics = generate_pb2.RequestMetrics(**report(stream.seq)) if final and req.tandem_metrics else None
     stop = last.stop_reason if final and last is not None else None
     stopped_by = {"stop_string": stop} if isinstance(stop, str) else {"stop_token_id": stop} if stop is not None else {}
+    accepted, rejected = last.prediction if final and last is not None and last.prediction else (0, 0)
     return generate_pb2.GenerateResponse(
         request_id=req.request_id, text="".join(d.text for d in deltas),
         token_ids=[t for d in deltas for t in d.token_ids],
@@ -141,6 +142,7 @@ def _response(req: Request, deltas: list[Delta], stream: RequestStream) -> gener
         finish_reason=last.finish_reason.value if last and last.finish_reason else "",
         prompt_tokens=len(req.prompt_ids), completion_tokens=last.completion_tokens if last else 0,
         cached_prompt_tokens=last.cached_tokens if last else 0, tandem_metrics=metrics, **stopped_by,
+        accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected,
     )
 
 

@@ -111,6 +111,8 @@ def test_a_predicted_output_is_proposed_and_changes_nothing_but_the_steps(model_
                     prompt_token_ids=prompt, max_tokens=n, ignore_eos=True, tandem_metrics=True,
                     prediction_token_ids=predicted, sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=60)
             assert list(out.token_ids) == want
+            if predicted == want:
+                assert out.accepted_prediction_tokens >= n // 2 and out.rejected_prediction_tokens <= 4, out
             return out.tandem_metrics.num_decode_steps
 
         alone = steps([])
