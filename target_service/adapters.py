@@ -34,8 +34,8 @@ class RuntimeAdapters:
 
     def _check_enabled(self) -> None:
         if not self.enabled:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "runtime LoRA loading is off: start the target "
-                                                                      "with --enable-runtime-lora")
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          "runtime LoRA loading is off: start the target with --enable-runtime-lora")
 
     async def load(self, name: str, path: str) -> common_pb2.LoraAdapterInfo:
         self._check_enabled()
@@ -62,12 +62,11 @@ class RuntimeAdapters:
         if held is not None:
             if held.root != adapter.root:
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS,
-                                     f"LoRA adapter {adapter.name!r} is loaded with other files ({held.path}): "
-                                     "unload it first")
+                              f"LoRA adapter {adapter.name!r} is loaded with other files ({held.path}): unload it first")
             return held
         if len(adapters) >= self.max_loras:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"{len(adapters)} LoRA adapters are loaded, the most --max-loras allows: unload one")
+                          f"{len(adapters)} LoRA adapters are loaded, the most --max-loras allows: unload one")
         adapters[adapter.name] = adapter
         log.info("LoRA adapter %r loaded from %s: rank %d", adapter.name, adapter.path, adapter.rank)
         return adapter
