@@ -61,8 +61,8 @@ class RuntimeAdapters:
         held = adapters.get(adapter.name)
         if held is not None:
             if held.root != adapter.root:
-                raise Refused(grpc.StatusCode.ALREADY_EXISTS,
-                              f"LoRA adapter {adapter.name!r} is loaded with other files ({held.path}): unload it first")
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {adapter.name!r} is loaded with other "
+                                                              f"files ({held.path}): unload it first")
             return held
         if len(adapters) >= self.max_loras:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
