@@ -39,7 +39,9 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", required=True,
                    help="directory with tokenizer.json, the chat template and generation_config.json (its sampling "
                         "defaults apply to requests that leave them out): usually the target model directory")
-    p.add_argument("--served-model-name", default="", help="model name clients use (default: tokenizer dir name)")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="model name clients use (default: the tokenizer directory's name); several: the model "
+                        "answers to each, the first is the one /v1/models lists first (vLLM's flag)")
     p.add_argument("--chat-template", default="", metavar="FILE",
                    help="a Jinja chat template rendering chats instead of the model's own (vLLM's flag; as "
                         "transformers' apply_chat_template renders it, with the tokenizer's special tokens)")
@@ -140,8 +142,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
             print(f"--chat-template {args.chat_template}: {err}", file=sys.stderr)
             return 2
     endpoints = Endpoints(target=args.target, draft=args.draft, tokenizer_dir=args.tokenizer,
-                          model_name=args.served_model_name or Path(args.tokenizer).resolve().name,
-                          host=args.host, http_port=args.port, grpc_port=args.grpc_port)
+                          model_name=(args.served_model_name or [Path(args.tokenizer).resolve().name])[0],
+                          host=args.host, http_port=args.port, grpc_port=args.grpc_port,
+                          model_aliases=tuple(args.served_model_name[1:]))
     tracing = tracing_from_args(args, "tandem-router")
     if tracing is not None:
         config = dataclasses.replace(config, tracer=RouterTracer(tracing))

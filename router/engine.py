@@ -136,9 +136,10 @@ class RouterEngine:
         await self.replicas.adapters.unload([lane.target for lane in self.lanes.values()], name,
                                             lambda: sum(1 for seq in self._seqs.values() if seq.request.lora == name))
 
-    def model_lora(self, model: str, served: str) -> str | None:
-        """The adapter a request's model names: "" for the served model itself, None for no model served here."""
-        return "" if model == served else model if model in self.lora_adapters else None
+    def model_lora(self, model: str, served: tuple[str, ...]) -> str | None:
+        """The adapter a request's model names: "" for the served model itself (any of its names), None for
+        no model served here."""
+        return "" if model in served else model if model in self.lora_adapters else None
 
     @property
     def ready(self) -> bool:

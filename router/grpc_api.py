@@ -37,15 +37,15 @@ def _status(err: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, engine: RouterEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: RouterEngine, model_name: str, aliases: tuple[str, ...] = ()) -> None:
+        self.engine, self.model_name, self.served = engine, model_name, (model_name, *aliases)
 
     async def _request(self, msg: generate_pb2.GenerateRequest) -> Request:
         if sum(map(bool, (msg.prompt, msg.prompt_token_ids, msg.messages))) > 1:
             raise RequestError("prompt", "give one of prompt, prompt_token_ids and messages")
         if msg.prediction and msg.prediction_token_ids:
             raise RequestError("prediction", "give one of prediction and prediction_token_ids")
-        lora = self.engine.model_lora(msg.model or self.model_name, self.model_name)
+        lora = self.engine.model_lora(msg.model or self.model_name, self.served)
         if lora is None:
             raise RequestError("model", f"{msg.model!r} is neither the served model {self.model_name!r} nor one "
                                         f"of its LoRA adapters {self.engine.lora_adapters}")
@@ -161,9 +161,10 @@ def _parse_request(raw: bytes) -> generate_pb2.GenerateRequest | Undecodable:
         return Undecodable(str(err))
 
 
-def register(server: grpc.aio.Server, engine: RouterEngine, model_name: str) -> None:
+def register(server: grpc.aio.Server, engine: RouterEngine, model_name: str, aliases: tuple[str, ...] = ()) -> None:
     """generate_pb2_grpc.add_GenerateServicer_to_server's handlers, parsing with _parse_request."""
-    servicer, respond = GenerateServicer(engine, model_name), generate_pb2.GenerateResponse.SerializeToString
+    servicer = GenerateServicer(engine, model_name, aliases)
+    respond = generate_pb2.GenerateResponse.SerializeToString
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, _parse_request, respond),
         "GenerateUnary": grpc.unary_unary_rpc_method_handler(servicer.GenerateUnary, _parse_request, respond),

@@ -51,6 +51,7 @@ class Endpoints:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
+    model_aliases: tuple[str, ...] = ()  # more names the model answers to (vLLM's --served-model-name A B)
 
 
 class RouterServer:
@@ -69,7 +70,7 @@ class RouterServer:
         e, sec = self.endpoints, self.security
         guard = sec.guard()
         self.grpc_server = grpc.aio.server(interceptors=[GrpcGuard(guard, [grpc_api.SERVICE_NAME])] if guard else [])
-        grpc_api.register(self.grpc_server, self.engine, e.model_name)
+        grpc_api.register(self.grpc_server, self.engine, e.model_name, e.model_aliases)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
         reflection.enable_server_reflection((grpc_api.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -82,7 +83,7 @@ class RouterServer:
         await self.grpc_server.start()
         for name in ("", grpc_api.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        app = create_app(self.engine, e.model_name)
+        app = create_app(self.engine, e.model_name, e.model_aliases)
         if guard is not None:
             app.add_middleware(HTTPGuard, guard=guard, metrics=sec.metrics_require_key)
         https = uvicorn_ssl(sec.public.files) if sec.public is not None else {}

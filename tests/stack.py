@@ -101,9 +101,10 @@ class RouterThread:
 
 def start_router(config: RouterConfig, target: str, draft: str | None, tokenizer_dir: Path,
                  model_name: str = "tiny", wait_s: float = 30.0,
-                 security: RouterSecurity | None = None) -> RouterThread:
+                 security: RouterSecurity | None = None, aliases: tuple[str, ...] = ()) -> RouterThread:
     server = RouterServer(config, Endpoints(target=target, draft=draft, tokenizer_dir=str(tokenizer_dir),
-                                            model_name=model_name, http_port=0, grpc_port=0), security)
+                                            model_name=model_name, http_port=0, grpc_port=0, model_aliases=aliases),
+                          security)
     ready = threading.Event()
     box: dict = {}
 

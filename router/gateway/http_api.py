@@ -50,12 +50,14 @@ from router.request_stats import report
 from router.tracing import RouterTracer
 
 
-def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
+def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] = ()) -> FastAPI:
+    """aliases: more names the model answers to (model_name is the one /v1/models lists first)."""
     app = FastAPI(title="Tandem", description="Speculative decoding with chunked prefill, as a service",
                   telemetry=_telemetry(engine.config.tracer))
 
     app.add_middleware(HTTPCounts, counter=engine.metrics.http_requests)
     stored = ResponseStore(engine.config.max_stored_responses)
+    served = (model_name, *aliases)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -72,7 +74,7 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         tokens of its predicted output (OpenAI's prediction), if any."""
         predicted = body.predicted()
         ids = await engine.codec.encode(predicted, engine.max_model_len, "prediction", plain=True) if predicted else []
-        return dataclasses.replace(req, lora=engine.model_lora(body.model, model_name) or "", prediction=tuple(ids))
+        return dataclasses.replace(req, lora=engine.model_lora(body.model, served) or "", prediction=tuple(ids))
 
     async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raw = await read_body(request, engine.config.max_body_bytes)
@@ -80,9 +82,9 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
             body = await asyncio.get_running_loop().run_in_executor(None, parse_json, raw, model)
         else:
             body = parse_json(raw, model)
-        if engine.model_lora(body.model, model_name) is None:
-            served = ", ".join(repr(m) for m in [model_name, *engine.lora_adapters])
-            raise Refusal(error(404, f"model {body.model!r} not found; this server serves {served}",
+        if engine.model_lora(body.model, served) is None:
+            names = ", ".join(repr(m) for m in [*served, *engine.lora_adapters])
+            raise Refusal(error(404, f"model {body.model!r} not found; this server serves {names}",
                                 "model", "not_found_error"))
         if not engine.ready:
             raise Refusal(error(503, "not ready: the target service is unavailable", kind="unavailable"))
@@ -264,9 +266,9 @@ def create_app(engine: RouterEngine, model_name: str) -> FastAPI:
         """The served model, then its LoRA adapters (parent: the served model), as vLLM lists them."""
         created, max_len = int(time.time()), engine.max_model_len if engine.lanes else None
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem",
-                                            "root": model_name, "parent": None if name == model_name else model_name,
+                                            "root": model_name, "parent": None if name in served else model_name,
                                             "max_model_len": max_len}
-                                           for name in [model_name, *engine.lora_adapters]]}
+                                           for name in [*served, *engine.lora_adapters]]}
 
     @app.get("/health")
     async def health() -> dict:
