@@ -3,6 +3,8 @@ lists them, the first first; any other name is a 404 (HTTP) or INVALID_ARGUMENT 
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import grpc
 import httpx
 
@@ -24,6 +26,7 @@ def test_a_model_answers_to_each_of_its_names(model_pair):
                           model_name="tiny", aliases=("tiny-latest",))
     try:
         assert [m["id"] for m in httpx.get(f"{router.url}/v1/models").json()["data"]] == ["tiny", "tiny-latest"]
+        assert httpx.get(f"{router.url}/version").json()["version"] == importlib.metadata.version("tandem")
         prompt = [5, 17, 33, 8, 90]
         by_alias = complete(router.url, prompt, 6, model="tiny-latest")
         assert by_alias["choices"][0]["token_ids"] == complete(router.url, prompt, 6)["choices"][0]["token_ids"]

@@ -11,26 +11,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib.metadata
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from common.logs import bind
-from router.core import Delta, Overloaded, RequestError, ServiceUnavailable
+from router.core import Overloaded, RequestError, ServiceUnavailable
 from router.core import Request as CoreRequest
-from router.engine import RequestStream, RouterEngine
+from router.engine import RouterEngine
+from router.gateway.answers import respond
 from router.gateway.http_body import (
     PARSE_OFF_LOOP_BYTES,
     Refusal,
     error,
     error_response,
     parse_json,
-    public_error,
     read_body,
 )
 from router.gateway.http_counts import HTTPCounts
@@ -46,7 +45,6 @@ from router.gateway.responses_body import ResponsesBody
 from router.gateway.responses_format import ResponsesFormat
 from router.gateway.responses_store import ResponseNotFound, ResponseStore, add_stored_response_routes
 from router.gateway.tokenize_body import DetokenizeBody, TokenizeBody
-from router.request_stats import report
 from router.tracing import RouterTracer
 
 
@@ -187,53 +185,6 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
         except RequestError as e:
             return anthropic_error(error_response(e))
 
-    async def respond(request: Request, body, stream: RequestStream, fmt) -> Response:  # noqa: ANN001
-        bind(request_id=stream.seq.request.request_id)  # every line this request's task logs from here on
-        if stream.seq.request.tandem_metrics:
-            fmt.metrics = functools.partial(report, stream.seq)
-        fmt.prompt_top = getattr(body, "prompt_logprobs", None)  # vLLM's, where the body has it
-        if body.stream:
-            fmt.continuous_usage = body.continuous_usage
-            return StreamingResponse(sse(fmt, stream, body.include_usage), media_type="text/event-stream")
-        return await collect(request, fmt, stream)
-
-    async def sse(fmt, stream: RequestStream, usage: bool) -> AsyncIterator[str]:  # noqa: ANN001
-        seen: list[Delta] = []
-        failed = False
-        try:
-            for event in fmt.opening():
-                yield event
-            async for delta in stream:
-                if delta.error is not None:
-                    yield fmt.error_event(public_error(delta.error)[1])
-                    failed = True
-                    break
-                for event in fmt.events(delta):
-                    yield event
-                seen.append(delta)
-            for event in fmt.closing(seen, usage, failed):
-                yield event
-        finally:
-            await stream.aclose()  # a client that went away frees its KV in both services
-
-    async def collect(request: Request, fmt, stream: RequestStream) -> Response:  # noqa: ANN001
-        deltas: list[Delta] = []
-
-        async def drain() -> None:
-            async for d in stream:
-                deltas.append(d)
-
-        task = asyncio.create_task(drain())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                await stream.aclose()
-                return Response(status_code=499)
-        if deltas[-1].error is not None:
-            return error_response(deltas[-1].error)
-        return JSONResponse(fmt.whole(deltas))
-
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         """vLLM's: the ids a prompt (or chat messages) becomes, as the doors encode it."""
@@ -273,6 +224,11 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        """vLLM's: the server's version (the tandem package's)."""
+        return {"version": importlib.metadata.version("tandem")}
 
     @app.get("/ready")
     async def ready() -> Response:
