@@ -122,6 +122,9 @@ class Metrics:
                                            "constraint", ["kind"], registry=r)
         self.lora_requests = Counter("tandem:lora_requests", "Requests answered with a LoRA adapter, by its name",
                                      ["adapter"], registry=r)
+        self.prediction_tokens = Counter("tandem:prediction_tokens", "Tokens of requests' predicted outputs "
+                                         "verified (OpenAI's prediction), accepted or rejected", ["outcome"],
+                                         registry=r)
         self.grammar_mask_bytes = Counter("tandem:grammar_mask_bytes", "Bytes of grammar token masks sent to "
                                           "the target", registry=r)
         self.migrations = Counter("tandem:replica_migrations", "Sequences moved off a lost replica (recomputed "

@@ -61,6 +61,8 @@ class StepResults:
         seq.stats.verified(k, res.num_accepted)
         if by_lookup and k and seq.lookup.from_prediction:
             seq.output.predicted(k, res.num_accepted)
+            self.metrics.prediction_tokens.labels(outcome="accepted").inc(res.num_accepted)
+            self.metrics.prediction_tokens.labels(outcome="rejected").inc(k - res.num_accepted)
         if k:
             self.metrics.num_drafts.inc()
             self.metrics.num_draft_tokens.inc(k)

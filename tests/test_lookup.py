@@ -137,6 +137,8 @@ def test_a_predicted_output_is_proposed_and_changes_nothing_but_the_steps(model_
         assert same["choices"][0]["token_ids"] == free["choices"][0]["token_ids"]
         details = same["usage"]["completion_tokens_details"]
         assert details["accepted_prediction_tokens"] >= n // 2 and details["rejected_prediction_tokens"] <= 4, details
+        counted = httpx.get(f"{router.url}/metrics").text
+        assert 'tandem:prediction_tokens_total{outcome="accepted"}' in counted, "every request's, added up"
     finally:
         router.stop(), target.stop(), draft.stop()
 
