@@ -103,6 +103,15 @@ class SamplingParams:
                                                     "every allowed token")
 
 
+    def check_vocab(self, vocab: int) -> None:
+        """InvalidField naming the first field with a token id outside [0, vocab)."""
+        named = (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids),
+                 ("allowed_token_ids", self.allowed_token_ids), ("bad_words", [t for w in self.bad_words for t in w]),
+                 ("thinking_token_budget", [t for t in self.think_tokens or () if t is not None]))
+        for field, ids in named:
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise InvalidField(field, f"token ids must be in [0, {vocab})")
+
     @property
     def processed(self) -> bool:
         """Whether any logits processor is on (else the services skip that work entirely)."""

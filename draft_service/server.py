@@ -135,12 +135,9 @@ def _check_sampling(e: draft_pb2.ProposeEntry, field: str, vocab: int) -> tuple[
     """What e.sampling samples with (checked once per distinct message and prompt length)."""
     spec = sampling_spec(e.sampling, field)
     try:
-        processors = Processors.from_proto(e.sampling, e.prompt_len)
+        processors = Processors.from_proto(e.sampling, e.prompt_len, vocab)
     except InvalidField as err:
         raise InvalidInput(f"{field}.{err.field}", str(err).split(": ", 1)[-1]) from None
-    if processors is not None and any(not 0 <= t < vocab for t in processors.token_ids()):
-        raise InvalidInput(field, f"logit_bias, stop_token_ids, allowed_token_ids and bad_words ids must be in "
-                                  f"[0, {vocab})")
     return spec, processors
 
 

@@ -62,16 +62,13 @@ class Processors:
         more, a thinking budget)."""
         return self.penalized or any(len(w) > 1 for w in self.bad_words) or self.think_budget >= 0
 
-    def token_ids(self) -> list[int]:
-        """Every token id the processors name (the services check each is in the vocabulary)."""
-        return ([t for t, _ in self.bias] + list(self.held_back) + list(self.allowed)
-                + [t for w in self.bad_words for t in w] + [t for t in (self.think_end, self.think_start) if t >= 0])
-
     @staticmethod
-    def from_proto(params: common_pb2.SamplingParams, prompt_len: int) -> Processors | None:
-        """None when the request uses no processor. Raises common.sampling.InvalidField on bad values."""
+    def from_proto(params: common_pb2.SamplingParams, prompt_len: int, vocab: int) -> Processors | None:
+        """None when the request uses no processor. Raises common.sampling.InvalidField on bad values
+        (token ids outside [0, vocab) among them)."""
         p = SamplingParams(temperature=0.0).updated(**SamplingParams.given_in(params))
         p.check()
+        p.check_vocab(vocab)
         if not p.processed:
             return None
         end, start = p.think_tokens or (-1, None)

@@ -44,12 +44,7 @@ def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapte
         raise RequestError("prediction", f"token ids must be in [0, {vocab_size})")
     if req.max_speculative_tokens is not None and req.max_speculative_tokens < 0:
         raise RequestError("max_speculative_tokens", "must be >= 0")
-    for field, ids in (("logit_bias", [t for t, _ in req.sampling.logit_bias]),
-                       ("stop_token_ids", req.sampling.stop_token_ids),
-                       ("allowed_token_ids", req.sampling.allowed_token_ids),
-                       ("bad_words", [t for w in req.sampling.bad_words for t in w])):
-        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-            raise RequestError(field, f"token ids must be in [0, {vocab_size})")
+    req.sampling.check_vocab(vocab_size)
     if req.sampling.allowed_token_ids and req.constraint is not None:
         raise RequestError("allowed_token_ids", "is not taken with structured output (the grammar says which "
                                                 "tokens may come)")

@@ -149,13 +149,9 @@ class StepParser:
 
     def _check_sampling(self, e: target_pb2.StepEntry, where: str) -> _Sampling:
         try:
-            processors = Processors.from_proto(e.sampling, e.prompt_len)
+            processors = Processors.from_proto(e.sampling, e.prompt_len, self.vocab_size)
         except InvalidField as err:
             raise InvalidInput(f"{where}.sampling.{err.field}", str(err).split(": ", 1)[-1]) from None
-        vocab = self.vocab_size
-        if processors is not None and any(not 0 <= t < vocab for t in processors.token_ids()):
-            raise InvalidInput(f"{where}.sampling", f"logit_bias, stop_token_ids, allowed_token_ids and bad_words ids "
-                                                    f"must be in [0, {vocab})")
         if not e.emit:
             return _Sampling(processors, None)
         field = f"{where}.sampling"

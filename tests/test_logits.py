@@ -74,10 +74,10 @@ def test_masks_forbid_exactly_the_cleared_bits():
 def test_untouched_without_processors_and_from_proto():
     x = logits()
     assert apply(x, Context(None)) is x
-    assert Processors.from_proto(SamplingParams(temperature=0.0).to_proto(), 4) is None
+    assert Processors.from_proto(SamplingParams(temperature=0.0).to_proto(), 4, V) is None
     wire = SamplingParams(temperature=0.0, repetition_penalty=1.25, logit_bias=((3, 2.0),), min_tokens=2,
                           stop_token_ids=(9,)).to_proto(held_back=(1,))
-    assert Processors.from_proto(wire, 4) == Processors(repetition=1.25, bias=((3, 2.0),), min_tokens=2,
+    assert Processors.from_proto(wire, 4, V) == Processors(repetition=1.25, bias=((3, 2.0),), min_tokens=2,
                                                         held_back=(1, 9), prompt_len=4)
 
 
@@ -130,7 +130,7 @@ def test_only_bad_words_of_several_tokens_need_the_history():
 
 def test_allowed_and_bad_words_cross_the_wire_and_are_checked():
     wire = SamplingParams(temperature=0.0, allowed_token_ids=(2, 4), bad_words=((4,), (1, 2))).to_proto()
-    assert Processors.from_proto(wire, 3) == Processors(allowed=(2, 4), bad_words=((4,), (1, 2)), prompt_len=3)
+    assert Processors.from_proto(wire, 3, V) == Processors(allowed=(2, 4), bad_words=((4,), (1, 2)), prompt_len=3)
     with pytest.raises(InvalidField, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=(2, 4), bad_words=((2,), (4,))).check()
     with pytest.raises(InvalidField, match="allowed_token_ids"):  # min_tokens holds EOS back: nothing left
@@ -138,6 +138,10 @@ def test_allowed_and_bad_words_cross_the_wire_and_are_checked():
     SamplingParams(allowed_token_ids=(2,), min_tokens=1).check()
     with pytest.raises(InvalidField, match="bad_words"):
         SamplingParams(bad_words=((),)).check()
+    for field, params in (("allowed_token_ids", {"allowed_token_ids": (2, V)}), ("bad_words", {"bad_words": ((V,),)}),
+                          ("logit_bias", {"logit_bias": ((-1, 1.0),)})):  # the one check the services and router run
+        with pytest.raises(InvalidField, match=f"{field}: token ids must be in"):
+            Processors.from_proto(SamplingParams(temperature=0.0, **params).to_proto(), 3, V)
 
 
 END, START = 45, 44  # think-end and think-start tokens
@@ -171,10 +175,10 @@ def test_a_thinking_budget_counts_from_the_think_start_token_where_the_output_op
     got = apply(x[:1], Context(at_once, PROMPT + [START], first_pos=5))
     assert torch.isfinite(got[0]).nonzero().squeeze(-1).tolist() == [END]
     wire = SamplingParams(temperature=0.0, thinking_token_budget=2, think_tokens=(END, START)).to_proto()
-    assert Processors.from_proto(wire, 4) == Processors(think_budget=2, think_end=END, think_start=START,
+    assert Processors.from_proto(wire, 4, V) == Processors(think_budget=2, think_end=END, think_start=START,
                                                         prompt_len=4)
     r1 = SamplingParams(temperature=0.0, thinking_token_budget=0, think_tokens=(END, None)).to_proto()
-    assert Processors.from_proto(r1, 4) == Processors(think_budget=0, think_end=END, prompt_len=4)
+    assert Processors.from_proto(r1, 4, V) == Processors(think_budget=0, think_end=END, prompt_len=4)
     with pytest.raises(InvalidField, match="thinking_token_budget"):
         SamplingParams(thinking_token_budget=3).check()  # the router fills in the think tokens
 

@@ -26,7 +26,7 @@ def test_a_sampling_message_is_checked_once_and_reused(monkeypatch):
     parser = StepParser(vocab_size=100, max_model_len=512, max_draft_tokens=4)
     checks = []
     real = Processors.from_proto
-    monkeypatch.setattr(Processors, "from_proto", staticmethod(lambda p, n: checks.append(n) or real(p, n)))
+    monkeypatch.setattr(Processors, "from_proto", staticmethod(lambda p, n, v: checks.append(n) or real(p, n, v)))
     penalized = common_pb2.SamplingParams(temperature=0.0, repetition_penalty=1.5)
     first = parser.parse(_request(_entry(penalized)))[0]
     again = parser.parse(_request(_entry(penalized, k=2)))[0]
