@@ -28,6 +28,9 @@ class TextCodec:
         tokenizer_dir = Path(tokenizer_dir)
         self.tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
         self.chat = ChatFormatter.from_dir(tokenizer_dir, chat_template or None)
+        # the reasoning parsers' markers as single tokens, where the vocabulary has them (else None)
+        self.think_end = self.tokenizer.token_to_id(THINK_CLOSE)
+        self.think_start = self.tokenizer.token_to_id(THINK_OPEN)
         # Every token stands for at most this many bytes of text: a prompt of B bytes has at least
         # B / max_token_bytes tokens, so one far too long is refused without encoding it.
         self.max_token_bytes = max(1, max(len(self.tokenizer.decode([i]).encode()) for i in
@@ -76,7 +79,7 @@ class TextCodec:
     def think_tokens(self, parser: str | None) -> tuple[int, int | None]:
         """(think-end, think-start or None where the output starts inside thinking) as the reasoning
         parser reads them: what thinking_token_budget needs."""
-        end, start = self.tokenizer.token_to_id(THINK_CLOSE), self.tokenizer.token_to_id(THINK_OPEN)
+        end, start = self.think_end, self.think_start
         if parser is None or end is None or (parser != "deepseek_r1" and start is None):
             raise RequestError("thinking_token_budget", "needs the router's --reasoning-parser and a model whose "
                                                         f"{THINK_OPEN} and {THINK_CLOSE} are single tokens")

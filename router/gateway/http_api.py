@@ -38,8 +38,6 @@ from router.gateway.messages_body import MessagesBody
 from router.gateway.messages_format import MessagesFormat, anthropic_error
 from router.gateway.openai_format import ChatFormat, CompletionFormat
 from router.gateway.openai_types import ChatBody, CompletionBody
-from router.gateway.reasoning import CLOSE as THINK_END
-from router.gateway.reasoning import OPEN as THINK_START
 from router.gateway.reasoning import Reasoning
 from router.gateway.responses_body import ResponsesBody
 from router.gateway.responses_format import ResponsesFormat
@@ -119,11 +117,11 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
             # a reasoning model thinks, then answers as the constraint says: it holds after the think-end token
             # (with the template told not to think, or no single think-end token, it holds from the start and
             # there is nothing to parse)
-            end = engine.codec.tokenizer.token_to_id(THINK_END)
+            end = engine.codec.think_end
             thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False
             req = dataclasses.replace(req, grammar_opens_after=end) if thinking and end is not None else req
             reasoning = reasoning if req.grammar_opens_after is not None else None
-        think = engine.codec.tokenizer.token_to_id(THINK_END), engine.codec.tokenizer.token_to_id(THINK_START)
+        think = engine.codec.think_end, engine.codec.think_start
         return req, ChatFormat(engine.codec.decode_one, body.model, req, body.return_token_ids, tools=calling,
                                reasoning=Reasoning.named(reasoning, *think) if reasoning else None)
 
