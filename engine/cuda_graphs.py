@@ -27,14 +27,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model import ForwardContext
-
-if TYPE_CHECKING:
-    from engine.runner import FlatBatch, ModelRunner
+from engine.attention import AttentionBackend
+from engine.kv_cache import PagedKVCache
+from engine.model import CausalLM, FlatBatch, ForwardContext
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +51,18 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
 
 
 class GraphRunner:
-    def __init__(self, runner: ModelRunner, max_batch: int, max_query: int, capture: bool = True) -> None:
-        self.runner = runner
+    def __init__(self, model: CausalLM, backend: AttentionBackend, kv_cache: PagedKVCache, *, leader: bool,
+                 block_size: int, max_model_len: int, max_batch: int, max_query: int, capture: bool = True) -> None:
+        """leader: this rank returns logits (a tensor-parallel follower only runs the forward)."""
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+        self.leader, self.block_size = leader, block_size
         self.batch_buckets = buckets_up_to(max_batch)
         self.query_buckets = buckets_up_to(max_query)
         self.capture = capture
-        dev, bs = runner.device, runner.config.block_size
+        dev, bs = kv_cache.k.device, block_size
         tokens = max_batch * max_query
-        width = -(-(runner.max_model_len + max_query) // bs)
-        self.scratch_slot = runner.kv_cache.scratch_block * bs
+        width = -(-(max_model_len + max_query) // bs)
+        self.scratch_slot = kv_cache.scratch_block * bs
         self.ids = torch.zeros(tokens, dtype=torch.long, device=dev)
         self.positions = torch.zeros(tokens, dtype=torch.long, device=dev)
         self.slots = torch.full((tokens,), self.scratch_slot, dtype=torch.long, device=dev)
@@ -82,12 +83,11 @@ class GraphRunner:
     # ---- the padded forward (what is captured) ---------------------------------------------------
     def _forward(self, b: int, q: int) -> torch.Tensor:
         """Hidden states [b * q, hidden] of the padded batch in the static buffers."""
-        r = self.runner
         n = b * q
-        plan = r.backend.plan_uniform(self.starts[:b], self.tables[:b], r.config.block_size, q)
+        plan = self.backend.plan_uniform(self.starts[:b], self.tables[:b], self.block_size, q)
         ctx = ForwardContext(positions=self.positions[:n], slot_mapping=self.slots[:n], layout=None,
-                             backend=r.backend, plan=plan, kv_cache=r.kv_cache, logits_indices=None)
-        return r.model.hidden_states(self.ids[:n], ctx)
+                             backend=self.backend, plan=plan, kv_cache=self.kv_cache, logits_indices=None)
+        return self.model.hidden_states(self.ids[:n], ctx)
 
     def _fill(self, batch: FlatBatch, b: int, q: int) -> list[int]:
         """Copy the step into the static buffers; the padded rows of the logits the step asked for."""
@@ -121,9 +121,9 @@ class GraphRunner:
             graph.replay()
         else:
             hidden = self._forward(*shape)
-        if not self.runner.tp.leader:
+        if not self.leader:
             return hidden[:0]
-        return self.runner.model.logits(hidden, torch.tensor(rows, device=hidden.device), narrow)
+        return self.model.logits(hidden, torch.tensor(rows, device=hidden.device), narrow)
 
     # ---- capture ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -9,7 +9,7 @@ its share of the heads and MLP features; with one rank the layers are plain line
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,21 @@ class ForwardContext:
     kv_cache: PagedKVCache
     logits_indices: torch.Tensor | None  # [N] flat tokens whose logits are returned (forward() only)
     lora: LoraBatch | None = None  # the batch's LoRA adapters and their tokens (engine/lora.py); None: base only
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """One forward's inputs, flattened, as host lists: what a tensor-parallel leader sends its followers."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]
+    logits_indices: list[int]  # [N]
+    block_tables: list[list[int]]  # [B][W], padded with 0
+    start_positions: list[int]  # [B]
+    query_lens: list[int]  # [B]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy first
+    adapters: list[str] = field(default_factory=list)  # [B] each sequence's LoRA adapter; empty: none
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -12,19 +12,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from common.block_hash import ROOT
-from engine.attention import BatchLayout, select_backend, uses_flash
+from engine.attention import BatchLayout
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import GraphRunner
+from engine.flash_attention import select_backend, uses_flash
 from engine.kv_cache import BlockManager, PagedKVCache
 from engine.linear import calibrate
 from engine.lora import AdapterError, LoraAdapter, LoraBatch
-from engine.model import CausalLM, ForwardContext, ReducedHead
+from engine.model import CausalLM, FlatBatch, ForwardContext, ReducedHead
 from engine.parallel import SINGLE, TensorParallel, check_shardable
 from engine.prefix_cache import PrefixCache
 from engine.weights import load_weights
@@ -41,21 +42,6 @@ class SeqInput:
     num_logits: int = 1  # logits for the last num_logits tokens (0: none, a non-final prompt chunk)
     prefix: Sequence[int] = ()  # hashes of published blocks to start from (start_pos = their length)
     adapter: str = ""  # the LoRA adapter its tokens run with (load_adapters); "": the base model
-
-
-@dataclass(frozen=True)
-class FlatBatch:
-    """One forward's inputs, flattened, as host lists: what a tensor-parallel leader sends its followers."""
-
-    input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
-    slot_mapping: list[int]  # [T]
-    logits_indices: list[int]  # [N]
-    block_tables: list[list[int]]  # [B][W], padded with 0
-    start_positions: list[int]  # [B]
-    query_lens: list[int]  # [B]
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy first
-    adapters: list[str] = field(default_factory=list)  # [B] each sequence's LoRA adapter; empty: none
 
 
 class CacheMiss(LookupError):
@@ -115,8 +101,10 @@ class ModelRunner:
         """Run decode/verify steps through fixed-shape graphs; capture=False runs the same padded
         forward eagerly (CPU tests of the layout, graphs-vs-eager comparisons)."""
         cfg = self.config
-        self.graphs = GraphRunner(self, min(cfg.cuda_graph_max_batch, cfg.max_batch_tokens),
-                                  cfg.cuda_graph_max_query, capture)
+        self.graphs = GraphRunner(self.model, self.backend, self.kv_cache, leader=self.tp.leader,
+                                  block_size=cfg.block_size, max_model_len=self.max_model_len,
+                                  max_batch=min(cfg.cuda_graph_max_batch, cfg.max_batch_tokens),
+                                  max_query=cfg.cuda_graph_max_query, capture=capture)
         if capture:
             self.graphs.capture_all()
 

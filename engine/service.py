@@ -26,8 +26,8 @@ from common.protocol import PROTOCOL
 from common.reload import reload_on_sighup
 from common.tokenizer import eos_token_ids, tokenizer_fingerprint
 from common.tracing import add_tracing_args
-from engine.attention import uses_flash
 from engine.config import DTYPES, EngineConfig, ModelConfig, compute_id
+from engine.flash_attention import uses_flash
 from engine.kv_cache import PagedKVCache
 from engine.lease import LeaseKeeper
 from engine.parallel import SINGLE, TensorParallel

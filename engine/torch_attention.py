@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from engine.attention import BatchLayout
+from engine.attention import BatchLayout
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from engine import attention
-from engine.attention import uses_flash
+from engine import flash_attention
+from engine.flash_attention import uses_flash
 from engine.service import add_model_args, engine_config_from_args, load_runner
 from tests.conftest import SMALL, write_checkpoint
 
@@ -20,12 +20,12 @@ CUDA = torch.device("cuda")
 
 @pytest.fixture
 def flash_importable(monkeypatch):
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(flash_attention, "flash_attn_available", lambda: True)
 
 
 def test_auto_picks_flash_only_for_half_precision(flash_importable, caplog):
     assert uses_flash("auto", CUDA, torch.bfloat16) and uses_flash("auto", CUDA, torch.float16)
-    with caplog.at_level(logging.INFO, logger="engine.attention"):
+    with caplog.at_level(logging.INFO, logger="engine.flash_attention"):
         assert not uses_flash("auto", CUDA, torch.float32)
     assert "no torch.float32 kernels" in caplog.text
     assert not uses_flash("auto", torch.device("cpu"), torch.bfloat16)
@@ -33,7 +33,7 @@ def test_auto_picks_flash_only_for_half_precision(flash_importable, caplog):
 
 
 def test_auto_without_flash_attn_installed_is_sdpa(monkeypatch):
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(flash_attention, "flash_attn_available", lambda: False)
     assert not uses_flash("auto", CUDA, torch.bfloat16)
 
 

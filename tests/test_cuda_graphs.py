@@ -14,7 +14,7 @@ from transformers import LlamaConfig, MistralConfig
 
 from engine import EngineConfig, ModelRunner, SeqInput
 from engine.cuda_graphs import bucket_for, buckets_up_to
-from engine.runner import FlatBatch
+from engine.model import FlatBatch
 from tests.conftest import SMALL, write_checkpoint
 
 VOCAB = SMALL["vocab_size"]
