@@ -22,7 +22,6 @@ from router.drafting import IncompatibleDraft
 from router.lanes import IncompatibleLimits
 from router.security import add_security_args, security_from_args
 from router.server import Endpoints, main_sync
-from router.tracing import RouterTracer
 
 
 def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m router") -> int:
                           model_aliases=tuple(args.served_model_name[1:]))
     tracing = tracing_from_args(args, "tandem-router")
     if tracing is not None:
-        config = dataclasses.replace(config, tracer=RouterTracer(tracing))
+        config = dataclasses.replace(config, tracing=tracing)
     try:
         main_sync(config, endpoints, args.startup_wait, security)
     except (IncompatibleDraft, IncompatibleTarget, IncompatibleLimits, ServiceUnavailable) as err:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from router.core import Sequence
 from router.scheduler import StepPlan
+from router.sequence import Sequence
 from router.spec_policy import choose_k, expected_tokens
 from router.speculation import Proposal, best_proposal
 from router.step_entries import logprobs_wanted

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from common.tls import ClientTLS
-    from router.tracing import RouterTracer
+    from common.tracing import Tracing
 
 
 TOOL_PARSERS = ("hermes",)  # the models' own tool-call formats router.gateway.tools reads
@@ -40,7 +40,7 @@ class RouterConfig:
     draft_retry_s: float = 1.0  # first reconnect backoff for a lost draft (doubles up to 30 s)
     target_tls: ClientTLS | None = None  # TLS to the target replicas (router.security); None: plaintext
     draft_tls: ClientTLS | None = None
-    tracer: RouterTracer | None = None  # OpenTelemetry spans (router.tracing); None: tracing off
+    tracing: Tracing | None = None  # OpenTelemetry spans (router.tracing); None: tracing off
     lease_ttl_s: float = 10.0  # a replica this router stops renewing is freed for others after this long
     tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice "auto" (router.gateway.tools)
     reasoning_parser: str | None = None  # where a reasoning model's thinking ends (router.gateway.reasoning)

@@ -1,28 +1,20 @@
 """Types shared across the router: the request (one object from the front door to the step loop),
-the sequence (everything the router knows about one request), outputs and errors."""
+its outputs, a sequence's status and the errors a request can meet. The sequence itself (everything
+the router knows about one request) is router.sequence's."""
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from common.block_hash import ROOT
 from common.sampling import InvalidField, SamplingParams
-from router.lookup import LookupShadow, PromptLookup
-from router.prefix import SeqPrefix
-from router.request_stats import RequestStats
-from router.spec_policy import AcceptanceTracker
-from router.speculation import Prepared
 from tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from router.lanes import Lane
-    from router.output import OutputBuilder
-    from router.structured import Constraint, SeqGrammar
+    from router.structured import Constraint
 
 RequestError = InvalidField  # bad input: HTTP 400 / gRPC INVALID_ARGUMENT, naming the field
 GREEDY = SamplingParams(temperature=0.0)
@@ -117,69 +109,3 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"  # admitted to the queue, no KV reserved
     RUNNING = "running"  # KV reserved in both services; prefilling or decoding
     FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """The router's truth about one request. Service caches are only caches of `tokens`."""
-
-    seq_id: int
-    request: Request
-    output: OutputBuilder | None = None  # set by RouterEngine.submit (scheduler tests run without)
-    arrival: float = field(default_factory=time.monotonic)
-    status: SeqStatus = SeqStatus.WAITING
-    tokens: list[int] = field(default_factory=list)  # prompt + output: the history
-    num_prompt: int = 0
-    lane: Lane | None = None  # the target replica (and its paired draft) this sequence is pinned to
-    target_cached: int = 0  # tokens the target's KV holds for this sequence
-    draft_cached: int = 0  # tokens the draft's KV holds
-    # What the draft's KV holds: draft_stream[:draft_cached] (the history, plus drafts that were being
-    # verified when it was fed them; a rejection makes that tail stale).
-    draft_stream: list[int] = field(default_factory=list)
-    # Proposals prepared for coming steps (router.speculation): the one continuing the history wins.
-    prepared: list[Prepared] = field(default_factory=list)
-    cache_epoch: int = 0  # bumped whenever the caches are dropped: late draft results for an old epoch are void
-    outcome_start: int = -1  # history length before the last verification: its branches start there
-    asked_at: int = -1  # history length of the last step the draft was asked to prepare this one's outcomes for
-    prefix: SeqPrefix = field(default_factory=SeqPrefix)  # cached prefixes it attaches (router.prefix)
-    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of the draft's proposals
-    lookup_tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # of prompt-lookup proposals
-    lookup: PromptLookup = field(default_factory=PromptLookup)  # n-grams of the history (prompt lookup)
-    lookup_shadow: LookupShadow | None = None  # lookup alone replayed over its output (router.regime's unit)
-    next_k: int = 0  # desired k for this sequence's next proposal
-    num_preemptions: int = 0
-    stats: RequestStats = field(default_factory=RequestStats)  # its timeline and speculation figures
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    outputs: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)  # shared by a request's n choices
-    finished: bool = False
-    grammar: SeqGrammar | None = None  # structured output: the grammar state over the accepted output
-    index: int = 0  # choice index (n > 1)
-    fork_parent: Sequence | None = None  # choices 1..n-1: the choice-0 sequence whose prompt they share
-    forks: list[Sequence] = field(default_factory=list)  # choice 0: its siblings
-
-    @property
-    def waits_for_fork(self) -> bool:
-        """A sibling whose leader is still computing the shared prompt: it forks from the leader's cache
-        in the step that finishes it instead of prefilling (later, or after a preemption, it prefills)."""
-        p = self.fork_parent
-        return (p is not None and self.num_output == 0 and self.target_cached == 0 and not p.finished
-                and p.status is SeqStatus.RUNNING and p.num_output == 0)
-
-    @property
-    def num_output(self) -> int:
-        return len(self.tokens) - self.num_prompt
-
-    @property
-    def prefilling(self) -> bool:
-        """Still feeding history into the target (first prefill, or recompute after preemption)."""
-        return self.target_cached < len(self.tokens) - 1 or self.num_output == 0
-
-    def forget_caches(self) -> None:
-        """Both services' caches of this sequence are gone (preempted, moved, lost): recompute."""
-        self.target_cached = self.draft_cached = 0
-        self.draft_stream = []
-        self.prepared = []
-        self.prefix.reset()
-        self.cache_epoch += 1
-        self.stats.queued()  # the callers put it back in a queue

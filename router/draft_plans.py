@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from router.core import Sequence
 from router.draft_work import DraftWork
 from router.scheduler import StepPlan
+from router.sequence import Sequence
 from router.spec_policy import expected_tokens
 from router.speculation import Candidate, plan_branches
 

@@ -1,6 +1,6 @@
 """What one Propose call carries (DraftWork), built by the speculator and sent by the draft lane.
 
-Position bookkeeping per sequence (core.Sequence): the draft holds draft_stream[:draft_cached].
+Position bookkeeping per sequence (router.sequence.Sequence): the draft holds draft_stream[:draft_cached].
 A call continues a base stream S (the history, plus the drafts being verified right now); the
 draft keeps the common prefix of what it holds and S and is fed the rest, always including the
 token before the drafts under verification (the branches fork from their logits):
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.core import Sequence
+from router.sequence import Sequence
 from tandem.v1 import common_pb2, draft_pb2
 
 CATCH_UP_IN_PROPOSE = 64  # a sequence lagging further (a restarted draft) catches up without a proposal first

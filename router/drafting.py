@@ -17,9 +17,9 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from router.clients import CacheMissError, DraftClient, NotOwner, Rejected, ServiceDown, ServiceError
-from router.core import Sequence
 from router.draft_work import DraftWork
 from router.metrics import Metrics
+from router.sequence import Sequence
 from router.speculation import OutcomeStats, Prepared
 from tandem.v1 import common_pb2, draft_pb2
 

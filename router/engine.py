@@ -23,16 +23,7 @@ from common.sampling import SamplingParams
 from common.tokenizer import tokenizer_fingerprint
 from router.codec import TextCodec
 from router.config import RouterConfig
-from router.core import (
-    Delta,
-    FinishReason,
-    Overloaded,
-    Request,
-    SeqStatus,
-    Sequence,
-    ServiceUnavailable,
-    TokenLogprob,
-)
+from router.core import Delta, FinishReason, Overloaded, Request, SeqStatus, ServiceUnavailable, TokenLogprob
 from router.discovery import parse_spec
 from router.lanes import Lane, choose_lane
 from router.lookup import PromptLookup
@@ -40,7 +31,8 @@ from router.metrics import Metrics
 from router.output import OutputBuilder
 from router.replicas import Replicas
 from router.request_checks import check_request
-from router.request_stats import about
+from router.request_trace import RequestTrace
+from router.sequence import Sequence, about, report
 from router.structured import Grammars
 from tandem.v1 import common_pb2
 
@@ -242,8 +234,8 @@ class RouterEngine:
                 seqs[0].forks.append(seq)
             seqs.append(seq)
             self._seqs[seq.seq_id] = seq
-            if self.config.tracer is not None:
-                seq.stats.trace = self.config.tracer.request(seq, trace_parent)
+            if self.config.tracing is not None:
+                seq.stats.trace = RequestTrace(self.config.tracing.tracer, req, seq.seq_id, lane.name, trace_parent)
             log.debug("queued on %s: %d prompt tokens, max_tokens %d", lane.name, len(req.prompt_ids), max_tokens,
                       extra=about(seq))
             lane.scheduler.add(seq)
@@ -291,17 +283,14 @@ class RouterEngine:
     def _done(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
         seq.finished = True
         seq.status = SeqStatus.FINISHED
-        lane = seq.lane
-        assert lane is not None
-        lane.scheduler.remove(seq)
+        assert seq.lane is not None
+        seq.lane.finished(seq)
         self._seqs.pop(seq.seq_id, None)
-        lane.to_release.append(seq.seq_id)
         self.metrics.requests.labels(finish_reason=reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - seq.arrival)
         self.metrics.queue_time.observe(seq.stats.finished())
         if seq.stats.trace is not None:
-            seq.stats.trace.finish(seq, reason, error)
+            seq.stats.trace.finish(reason, seq.num_output, report(seq), error)
         log.debug("finished (%s): %d prompt + %d output tokens in %.3fs, %.3fs queued", reason.value,
                   seq.num_prompt, seq.num_output, time.monotonic() - seq.arrival, seq.stats.queued_seconds,
                   extra=about(seq))
-        lane.wake.set()

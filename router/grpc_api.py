@@ -14,7 +14,7 @@ from common.sampling import SamplingParams
 from common.tracing import extract
 from router.core import Delta, Overloaded, Request, RequestError, ServiceUnavailable, TokenLogprob
 from router.engine import RequestStream, RouterEngine
-from router.request_stats import report
+from router.sequence import report
 from router.structured import Constraint
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
@@ -79,7 +79,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         try:
             req = await self._request(msg)
             bind(request_id=req.request_id)  # this RPC's task: every line it logs from here on
-            parent = extract(context.invocation_metadata() or ()) if self.engine.config.tracer else None
+            parent = extract(context.invocation_metadata() or ()) if self.engine.config.tracing else None
             return req, self.engine.submit(req, parent)
         except (RequestError, Overloaded, ServiceUnavailable) as err:
             await context.abort(*_status(err))

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 
 from router.clients import DraftClient, TargetClient
 from router.config import RouterConfig
-from router.core import SeqStatus, Sequence
+from router.core import SeqStatus
 from router.drafting import DraftLane
 from router.loop import StepLoop
 from router.metrics import Metrics
 from router.prefix import PrefixCaches
 from router.scheduler import CacheGeometry, Scheduler
+from router.sequence import Sequence
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,12 @@ class Lane:
 
     def sequences(self) -> list[Sequence]:
         return list(self.scheduler.running) + list(self.scheduler.waiting)
+
+    def finished(self, seq: Sequence) -> None:
+        """seq ended: out of the scheduler; its KV is released in both services by the next step."""
+        self.scheduler.remove(seq)
+        self.to_release.append(seq.seq_id)
+        self.wake.set()
 
 
 def pick_draft(lanes: list[Lane], drafts: list[str], elsewhere: set[str] = frozenset()) -> str | None:

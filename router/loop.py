@@ -26,18 +26,19 @@ import grpc
 from router.chain import ChainedStep, chainable, chained_entries, lookup_beats_chaining
 from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
-from router.core import FinishReason, Sequence, TokenLogprob
+from router.core import FinishReason, TokenLogprob
 from router.draft_plans import step_work, waiting_work
 from router.drafting import DraftLane
 from router.metrics import Metrics
 from router.regime import DraftRegime
-from router.request_stats import about, dispatched
 from router.scheduler import Scheduler, StepPlan
+from router.sequence import Sequence, about
 from router.speculator import Speculator
 from router.step_entries import step_entries
 from router.step_faults import StepFaults
 from router.step_record import StepRecorder
 from router.step_results import StepResults
+from router.tracing import step_trace
 from router.upfront import drafts_upfront, fill_misses, sequential_proposals, wait_for_landing
 from tandem.v1 import target_pb2
 
@@ -71,7 +72,6 @@ class StepLoop:
         self.recorder = StepRecorder(self.spec, metrics, target.address)
         self._unchained = metrics.unchained_steps
         self._rests = metrics.draft_rests
-        self.tracer = config.tracer
 
     # ---- one iteration ---------------------------------------------------------------------------
     async def release_now(self, seq_ids: list[int]) -> None:
@@ -126,12 +126,12 @@ class StepLoop:
             self.draft.rest()
             if self.draft.up and self.draft.idle:
                 work = waiting_work(self.spec)
-                self.draft.launch(lambda: work, self.tracer.step(None, self.steps) if self.tracer is not None else None)
+                self.draft.launch(lambda: work, step_trace(self.config.tracing, None, self.steps))
                 return bool(work.entries) or draft_ms > 0
             return draft_ms > 0
         entries, sent = step_entries(plan, self.spec.matched, self.metrics)
-        dispatched(plan)
-        trace = self.tracer.step(plan, self.steps) if self.tracer is not None else None
+        plan.dispatched()
+        trace = step_trace(self.config.tracing, plan, self.steps)
         launched = self._launch_draft(plan, sent, trace)
         t_target = time.perf_counter()
         with trace.target_call(plan) if trace is not None else nullcontext(None) as metadata:
@@ -259,7 +259,7 @@ class StepLoop:
         """Whether the step after plan's may be chained behind it: the draft has a call for its outcomes
         (launched), or it would decode every sequence at k = 0 anyway (Speculator.plain_next_step): then
         the router's work between two steps overlaps the target's, as in a target-only router."""
-        if not (self.config.pipeline and self.config.chain_steps and self.tracer is None):
+        if not (self.config.pipeline and self.config.chain_steps and self.config.tracing is None):
             return False
         if self.faults.suspects or not chainable(plan, self.scheduler.running, bool(self.scheduler.waiting)) \
                 or not self.scheduler.fits_ahead():
@@ -297,7 +297,7 @@ class StepLoop:
         self.results.apply(plan, sent, response)
         self.results.count_outcomes(plan, self.draft.up)
         if trace is not None:
-            trace.end(plan, sent, response, self.spec, self.draft.up)
+            trace.end(plan, sent, response, self.spec.pipeline_outcome if self.draft.up else None)
         progress = self.recorder.lookup_steps(plan, response, self.regime.measuring)
         if self._chained is not None:  # the target runs it now: the draft's work for its outcomes goes first
             self._begin_chained(self._chained)

@@ -11,12 +11,13 @@ from collections.abc import Callable
 from router.adapters import Adapters, IncompatibleTarget
 from router.clients import NotOwner, Rejected, ServiceDown, ServiceError, TargetClient
 from router.config import RouterConfig
-from router.core import FinishReason, Sequence, ServiceUnavailable, TokenLogprob
+from router.core import FinishReason, ServiceUnavailable, TokenLogprob
 from router.discovery import Discovery
 from router.lanes import Lane, connect_lane, migrate, pick_draft, publish_gauges, share_draft_capacity
 from router.loop import StepLoop
 from router.metrics import Metrics
 from router.ownership import Ownership
+from router.sequence import Sequence
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)

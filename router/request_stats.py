@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from router.core import Sequence
-    from router.scheduler import StepPlan
-    from router.tracing import RequestTrace
+    from router.request_trace import RequestTrace
 
 
 @dataclass(eq=False)
@@ -44,7 +42,7 @@ class RequestStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     acceptance_histogram: list[int] = field(default_factory=list)
     pipeline: dict[str, int] = field(default_factory=lambda: {"hit": 0, "late": 0, "wrong": 0, "unasked": 0})
-    trace: RequestTrace | None = None  # its spans, when tracing is on (router.tracing)
+    trace: RequestTrace | None = None  # its spans, when tracing is on (router.request_trace)
 
     # ---- the request's timeline ---------------------------------------------------------------
     def queued(self) -> None:
@@ -99,25 +97,6 @@ class RequestStats:
             "pipeline_misses_late": self.pipeline["late"], "pipeline_misses_wrong": self.pipeline["wrong"],
             "pipeline_misses_unasked": self.pipeline["unasked"],
         }
-
-
-def dispatched(plan: StepPlan) -> None:
-    """A step is about to go out: its sequences stop waiting; prompt chunks are counted."""
-    now = time.monotonic()
-    for seq, _ in plan.decodes:
-        seq.stats.dispatched(now)
-    for c in plan.chunks:
-        c.seq.stats.dispatched(now)
-        c.seq.stats.num_prefill_chunks += 1
-
-
-def report(seq: Sequence) -> dict[str, Any]:
-    return seq.stats.report(seq.num_preemptions)
-
-
-def about(seq: Sequence) -> dict[str, Any]:
-    """Log fields of a line about seq (common.logs): log.info(..., extra=about(seq))."""
-    return {"request_id": seq.request.request_id, "seq_id": seq.seq_id}
 
 
 def _add_upto(counts: list[int], n: int) -> None:

@@ -20,13 +20,15 @@ when another attached them: the accounting may over-count shared blocks, never u
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.config import RouterConfig
-from router.core import SeqStatus, Sequence
+from router.core import SeqStatus
 from router.prefix import PrefixCaches
+from router.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,15 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.decodes and not self.chunks
+
+    def dispatched(self) -> None:
+        """The step is about to go out: its sequences stop waiting; prompt chunks are counted."""
+        now = time.monotonic()
+        for seq, _ in self.decodes:
+            seq.stats.dispatched(now)
+        for c in self.chunks:
+            c.seq.stats.dispatched(now)
+            c.seq.stats.num_prefill_chunks += 1
 
 
 class Scheduler:

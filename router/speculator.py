@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from router.config import RouterConfig
-from router.core import Sequence
 from router.draft_work import DraftWork
 from router.drafting import DraftLane
 from router.pacing import DraftPacing
 from router.scheduler import Scheduler, StepPlan
+from router.sequence import Sequence
 from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens
 from router.speculation import Proposal, best_proposal, confidence_of, prune
 from router.step_costs import BranchCost, DraftCost, StepCostModel

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from router.core import SeqStatus, Sequence, TokenLogprob
+from router.core import SeqStatus, TokenLogprob
 from router.metrics import Metrics
 from router.scheduler import StepPlan
+from router.sequence import Sequence
 from router.speculation import Proposal
 from tandem.v1 import common_pb2, target_pb2
 

@@ -8,9 +8,10 @@ import logging
 from collections.abc import Callable
 
 from router.clients import CacheMissError, NotOwner, Rejected, ServiceDown, ServiceError
-from router.core import FinishReason, InternalError, Sequence
+from router.core import FinishReason, InternalError
 from router.metrics import Metrics
 from router.scheduler import Scheduler, StepPlan
+from router.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from router.core import Sequence, TokenLogprob
+from router.core import TokenLogprob
 from router.metrics import Metrics
 from router.scheduler import StepPlan
+from router.sequence import Sequence
 from router.speculator import Speculator
 from router.step_entries import logprobs_of, prompt_logprobs_of
 from tandem.v1 import target_pb2

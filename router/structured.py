@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.grammar import GrammarError, Matcher, compile_grammar, load_tokenizer
-from router.core import RequestError
+from common.sampling import InvalidField as RequestError  # router.core.RequestError
 
 log = logging.getLogger(__name__)
 

@@ -19,79 +19,33 @@ router -> target and router -> draft as plain parent/child.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
-from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from common.tracing import Metadata, Tracing, inject
-from router.request_stats import report
 
 if TYPE_CHECKING:
-    from router.core import FinishReason, Sequence
     from router.scheduler import StepPlan
-    from router.speculator import Speculator
+    from router.sequence import Sequence
     from tandem.v1 import target_pb2
 
 TARGET_STEP = "tandem.v1.TargetService/Step"
 DRAFT_PROPOSE = "tandem.v1.DraftService/Propose"
 
 
-class RouterTracer:
-    def __init__(self, tracing: Tracing) -> None:
-        self.tracing = tracing
-        self.tracer = tracing.tracer
-
-    def request(self, seq: Sequence, parent: Context | None = None) -> RequestTrace:
-        """parent None: the current context (the HTTP door's span, when FastAPI traces it)."""
-        return RequestTrace(self.tracer, seq, parent)
-
-    def step(self, plan: StepPlan | None, number: int) -> StepTrace:
-        """plan None: draft calls made outside a step (sequential proposals, a draft catching up
-        while nothing else runs), parented by their requests' spans."""
-        return StepTrace(self.tracer, plan, number)
-
-
-class RequestTrace:
-    def __init__(self, tracer: trace.Tracer, seq: Sequence, parent: Context | None) -> None:
-        self.tracer = tracer
-        req = seq.request
-        self.span = tracer.start_span("tandem.request", context=parent, kind=SpanKind.INTERNAL, attributes={
-            "tandem.request_id": req.request_id, "tandem.seq_id": seq.seq_id,
-            "gen_ai.request.max_tokens": req.max_tokens or 0,
-            "gen_ai.request.temperature": req.sampling.temperature or 0.0,
-            "gen_ai.usage.input_tokens": len(req.prompt_ids),
-            "tandem.replica": seq.lane.name if seq.lane is not None else ""})
-        self.context = trace.set_span_in_context(self.span)
-        self.queue: trace.Span | None = None
-        self.queued()
-
-    def queued(self) -> None:
-        if self.queue is None:
-            self.queue = self.tracer.start_span("queue", context=self.context)
-
-    def dispatched(self) -> None:
-        if self.queue is not None:
-            self.queue.end()
-            self.queue = None
-
-    def finish(self, seq: Sequence, reason: FinishReason, error: Exception | None) -> None:
-        self.dispatched()
-        span = self.span
-        span.set_attribute("gen_ai.response.finish_reasons", [reason.value])
-        span.set_attribute("gen_ai.usage.output_tokens", seq.num_output)
-        for key, value in report(seq).items():
-            span.set_attribute(f"tandem.{key}", value)
-        if error is not None:
-            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
-        span.end()
+def step_trace(tracing: Tracing | None, plan: StepPlan | None, number: int) -> StepTrace | None:
+    """plan None: draft calls made outside a step (sequential proposals, a draft catching up while
+    nothing else runs), parented by their requests' spans. None when tracing is off."""
+    return StepTrace(tracing.tracer, plan, number) if tracing is not None else None
 
 
 class StepTrace:
-    """This step's span in each request's trace, and the batched calls made for it."""
+    """This step's span in each request's trace, and the batched calls made for it (the request's
+    own span: router.request_trace)."""
 
     def __init__(self, tracer: trace.Tracer, plan: StepPlan | None, number: int) -> None:
         self.tracer = tracer
@@ -164,13 +118,14 @@ class StepTrace:
         return self.call(DRAFT_PROPOSE, seqs)
 
     # ---- the outcome -----------------------------------------------------------------------------
-    def end(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse, spec: Speculator,
-            draft_up: bool) -> None:
+    def end(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse,
+            pipeline_outcome: Callable[[Sequence], str | None] | None) -> None:
+        """pipeline_outcome: what the pipeline had prepared for a sequence (hit, late, ...); None: no draft."""
         results = list(response.results)
         for (seq, _), drafts, res in zip(plan.decodes, sent, results, strict=False):
             span = self.spans.get(seq.seq_id)
             if span is not None:
-                outcome = spec.pipeline_outcome(seq) if draft_up else None
+                outcome = pipeline_outcome(seq) if pipeline_outcome is not None else None
                 span.set_attributes({"tandem.k": len(drafts), "tandem.accepted": res.num_accepted,
                                      "tandem.emitted": len(res.tokens), "tandem.pipeline": outcome or "none",
                                      "tandem.target.forward_ms": response.forward_ms})

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
-from router.core import Sequence
 from router.draft_work import DraftWork
 from router.scheduler import StepPlan
+from router.sequence import Sequence
 from router.spec_policy import expected_tokens, worth_waiting_ms
+from router.tracing import step_trace
 
 if TYPE_CHECKING:
     from router.speculator import Speculator
@@ -171,8 +172,7 @@ async def fill_misses(spec: Speculator, filled: Counter | None = None) -> float:
     if not work.entries:
         return 0.0
     t0 = time.perf_counter()
-    tracer = spec.config.tracer
-    draft.launch(lambda: work, tracer.step(None, -1) if tracer is not None else None)
+    draft.launch(lambda: work, step_trace(spec.config.tracing, None, -1))
     await draft.wait(worth_ms / 1000)
     draft.waited_for = True  # once per call (grace_ms): a fill that did not land is not waited for again
     if draft.idle:
@@ -205,6 +205,5 @@ async def sequential_proposals(spec: Speculator, only: set[int] | None = None) -
         k = min(max(seq.next_k, wanted[seq.seq_id]), spec.cap(seq))
         if k > 0:
             work.add(seq, list(seq.tokens), k, 0, seq.request.sampling_proto, [], draft.budget)
-    tracer = spec.config.tracer
-    await draft.run(work, tracer.step(None, -1) if tracer is not None and work.entries else None)
+    await draft.run(work, step_trace(spec.config.tracing, None, -1) if work.entries else None)
     return (time.perf_counter() - t0) * 1000

@@ -27,9 +27,10 @@ from engine.runner import InvalidInput
 from router.chain import alternatives, chainable, resolve
 from router.clients import CacheMissError, ServiceDown, TargetClient
 from router.config import RouterConfig
-from router.core import Request, Sequence
+from router.core import Request
 from router.loop import StepLoop
 from router.scheduler import Chunk, StepPlan
+from router.sequence import Sequence
 from router.speculation import Prepared
 from tandem.v1 import common_pb2, target_pb2
 from target_service.chaining import remember, resolve_chained

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.core import GREEDY, Request, SamplingParams, Sequence
+from router.core import GREEDY, Request, SamplingParams
+from router.sequence import Sequence
 from router.spec_policy import AcceptanceTracker, expected_tokens
 from router.speculation import Prepared
 from router.step_costs import BranchCost, StepCostModel

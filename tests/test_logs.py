@@ -17,7 +17,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from common.logs import handler, log_context
 from common.tracing import Tracing
 from router.config import RouterConfig
-from router.tracing import RouterTracer
 from tests.stack import REALISTIC_STEP_S, start_draft, start_router, start_target, wait_until
 
 
@@ -73,7 +72,7 @@ def test_every_line_about_a_request_names_it(model_pair, captured):
                              tracing=tracing["tandem-target"])
     draft, _ = start_draft(draft_dir, tracing=tracing["tandem-draft"])
     config = RouterConfig(max_num_batched_tokens=64, max_num_seqs=8, dynamic_k=False,
-                          tracer=RouterTracer(tracing["tandem-router"]))
+                          tracing=tracing["tandem-router"])
     router = start_router(config, target.address, draft.address, target_dir)
     try:
         def one(i: int) -> str:

@@ -8,8 +8,9 @@ import httpx
 from tokenizers import Tokenizer
 
 from router.config import RouterConfig
-from router.core import GREEDY, Request, Sequence
+from router.core import GREEDY, Request
 from router.lookup import PromptLookup
+from router.sequence import Sequence
 from router.speculator import Speculator
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.conftest import hf_greedy

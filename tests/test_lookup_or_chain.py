@@ -6,8 +6,9 @@ it makes. Decided by expected tokens per ms, without services."""
 from __future__ import annotations
 
 from router.chain import lookup_beats_chaining
-from router.core import GREEDY, Request, Sequence
+from router.core import GREEDY, Request
 from router.lookup import PromptLookup
+from router.sequence import Sequence
 from router.spec_policy import AcceptanceTracker
 from router.step_costs import StepCostModel
 from tests.test_spec_policy import _speculator

@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from engine.kv_cache import BlockManager
 from engine.prefix_cache import PrefixCache
 from router.config import RouterConfig
-from router.core import SeqStatus, Sequence
+from router.core import SeqStatus
 from router.metrics import Metrics
 from router.prefix import PrefixCaches
 from router.scheduler import CacheGeometry, Scheduler, StepPlan
+from router.sequence import Sequence
 from tests.test_scheduler import VOCAB, _greedy, _state, all_k_max, fake_draft, make_seq, reference_continuation
 
 

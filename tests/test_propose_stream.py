@@ -83,10 +83,11 @@ def test_a_call_launched_with_a_plan_is_planned_after_the_launcher_yields_and_a_
     """The step loop launches the draft's call with a function that plans it, then sends the target's
     Step: the planning runs in the call's task, once the loop yields (the Step is on its way). A plan
     that raises is logged; the step that launched it goes on."""
-    from router.core import GREEDY, Request, SeqStatus, Sequence
+    from router.core import GREEDY, Request, SeqStatus
     from router.draft_work import DraftWork
     from router.drafting import DraftLane
     from router.metrics import Metrics
+    from router.sequence import Sequence
 
     server, _ = start_draft(model_dir)
     ids = prompt(12)
@@ -138,10 +139,11 @@ def test_a_call_due_before_its_drafts_are_done_stops_early_and_is_costed_as_run(
     past due stops after each continuation's first draft, books the rounds it ran (its cost sample)
     and counts as stopped; one with time to spare drafts its k."""
     from router.core import GREEDY as GREEDY_SPEC
-    from router.core import Request, SeqStatus, Sequence
+    from router.core import Request, SeqStatus
     from router.draft_work import DraftWork
     from router.drafting import DraftLane
     from router.metrics import Metrics
+    from router.sequence import Sequence
 
     server, _ = start_draft(model_dir)
 

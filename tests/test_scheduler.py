@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.config import RouterConfig
-from router.core import GREEDY, Request, SeqStatus, Sequence
+from router.core import GREEDY, Request, SeqStatus
 from router.scheduler import CacheGeometry, Scheduler, StepPlan
+from router.sequence import Sequence
 
 VOCAB = 50_000
 MASK = (1 << 61) - 1

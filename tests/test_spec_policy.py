@@ -324,8 +324,9 @@ def _observe_slowdown(spec, ratio: float, busy: bool) -> None:
 
 def _decoding(n: int = 1):
     """A decode-only step of n one-token decodes."""
-    from router.core import GREEDY, Request, Sequence
+    from router.core import GREEDY, Request
     from router.scheduler import StepPlan
+    from router.sequence import Sequence
 
     seqs = [Sequence(seq_id=i, request=Request(request_id=f"r{i}", prompt_ids=[1, 2], sampling=GREEDY, max_tokens=4),
                      tokens=[1, 2], num_prompt=2) for i in range(n)]
@@ -336,9 +337,10 @@ def test_sharing_compute_a_pipelined_draft_rests_on_probe_steps_so_its_cost_can_
     """The draft's cost on shared compute is the target's slowdown while it works; with work on every
     step there would be no idle step to compare with. Decode-only steps rest it until four idle steps
     are measured, then one in PROBE_EVERY; a step with prompt chunks never rests it (it mirrors them)."""
-    from router.core import GREEDY, Request, Sequence
+    from router.core import GREEDY, Request
     from router.pacing import PROBE_EVERY
     from router.scheduler import Chunk, StepPlan
+    from router.sequence import Sequence
 
     spec = _speculator("host/cpu/0-1")
     decode_only = _decoding()
@@ -429,8 +431,9 @@ def test_a_draft_that_slows_the_target_prepares_nothing_for_lookup_sequences_whe
     """Its work would only slow the step: it prepares for the sequences that want its proposal, not for
     those whose lookups beat even a full proposal of its own. On its own device (no slowdown measured)
     it prepares for both, so a sequence can switch back to it."""
-    from router.core import GREEDY, Request, Sequence
+    from router.core import GREEDY, Request
     from router.scheduler import StepPlan
+    from router.sequence import Sequence
 
     def seq(seq_id: int) -> Sequence:
         req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8)
@@ -491,8 +494,9 @@ def _late_decoder(spec, acceptance: float = 0.9):
     branches for that outcome (the step loop's state right after the target answered)."""
     import time
 
-    from router.core import GREEDY, Request, SeqStatus, Sequence
+    from router.core import GREEDY, Request, SeqStatus
     from router.draft_work import DraftWork
+    from router.sequence import Sequence
     from tandem.v1 import draft_pb2
 
     req = Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=64)
@@ -574,7 +578,8 @@ def test_the_next_step_is_plain_only_where_no_decoder_would_take_drafts_whatever
     decode every sequence at k = 0 anyway: the policy drafts for none of them and prompt lookup has
     nothing for any. A sequence whose drafts are worth their cost, or whose history repeats (lookup
     has an offer), keeps its step unchained: its proposals need this step's outcome."""
-    from router.core import GREEDY, Request, Sequence
+    from router.core import GREEDY, Request
+    from router.sequence import Sequence
 
     def seq(seq_id: int, tokens: list[int], acceptance: float) -> Sequence:
         req = Request(request_id=f"r{seq_id}", prompt_ids=tokens[:3], sampling=GREEDY, max_tokens=64)
@@ -597,8 +602,9 @@ def test_the_next_step_is_plain_only_where_no_decoder_would_take_drafts_whatever
 def test_contention_is_measured_on_decode_only_steps():
     """Prompt-chunk steps always have the draft busy (it mirrors them) and are priced from the line,
     which may misprice them: taken as contention they read as a slowdown the decodes never had."""
-    from router.core import GREEDY, Request, Sequence
+    from router.core import GREEDY, Request
     from router.scheduler import Chunk, StepPlan
+    from router.sequence import Sequence
 
     spec = _speculator("host/cpu/1")
     seq = Sequence(1, Request(request_id="r1", prompt_ids=list(range(200)), sampling=GREEDY, max_tokens=8))
@@ -623,8 +629,9 @@ def test_a_draft_whose_proposals_no_new_sequence_would_take_does_not_mirror_prom
     depth, and on shared compute mirroring a prompt into the draft only slows the target's prefill.
     A draft worth drafting with, or one on its own compute, mirrors as before."""
     from router.config import RouterConfig
-    from router.core import GREEDY, Request, Sequence
+    from router.core import GREEDY, Request
     from router.scheduler import Chunk, StepPlan
+    from router.sequence import Sequence
 
     def chunk_work(spec, pooled_rate: float) -> int:
         spec.cost = StepCostModel(alpha=55.0, beta=25.0)  # a decode 80 ms, each draft verified 25 ms more
@@ -651,8 +658,9 @@ def test_where_branches_beside_a_step_would_stretch_it_more_than_a_call_before_t
     is drafted for), and a step drafted so is not the pipeline's to count. Beside prompt chunks the
     stretch is that of the same decoders' branches, and the draft still mirrors the chunks."""
     from router.config import RouterConfig
-    from router.core import GREEDY, Request, Sequence
+    from router.core import GREEDY, Request
     from router.scheduler import Chunk, StepPlan
+    from router.sequence import Sequence
 
     def decoder(seq_id: int) -> Sequence:
         req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=8)
@@ -749,8 +757,9 @@ def test_where_the_draft_slows_the_target_branches_are_prepared_only_if_their_hi
     """Branches beside a decode-only step slow it by (slowdown - 1) x its time; they pay only as often
     as they name the outcome (match_odds). SmolLM2's named 7-15% while slowing every step 1.1-1.25x.
     On the draft's own device, or before a slowdown is measured, they are prepared as before."""
-    from router.core import GREEDY, Request, Sequence
+    from router.core import GREEDY, Request
     from router.scheduler import StepPlan
+    from router.sequence import Sequence
 
     def decoders() -> list[Sequence]:
         out = []
@@ -788,8 +797,9 @@ def test_branches_prepared_beside_a_step_are_due_when_it_answers_and_a_seeded_ca
     depend on timing), nor does one with no proposal to make."""
     import time
 
-    from router.core import GREEDY, Request, SamplingParams, Sequence
+    from router.core import GREEDY, Request, SamplingParams
     from router.scheduler import StepPlan
+    from router.sequence import Sequence
 
     def decoder(seq_id: int, sampling: SamplingParams = GREEDY) -> Sequence:
         req = Request(request_id=f"r{seq_id}", prompt_ids=[1, 2, 3], sampling=sampling, max_tokens=8)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.core import GREEDY, Request, Sequence
+from router.core import GREEDY, Request
 from router.metrics import Metrics
 from router.scheduler import Chunk, StepPlan
+from router.sequence import Sequence
 from router.step_results import StepResults
 from tandem.v1 import target_pb2
 from tests.test_spec_policy import _speculator

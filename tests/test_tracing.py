@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind
 
 from common.tracing import Tracing
 from router.config import RouterConfig
-from router.tracing import DRAFT_PROPOSE, TARGET_STEP, RouterTracer
+from router.tracing import DRAFT_PROPOSE, TARGET_STEP
 from tests.stack import REALISTIC_STEP_S, running_stack, start_draft, start_router, start_target, wait_until
 
 SERVICES = ("tandem-router", "tandem-target", "tandem-draft")
@@ -44,7 +44,7 @@ def traced(model_pair):
     target_dir, draft_dir = model_pair
     target, _ = start_target(target_dir, step_delay_s=REALISTIC_STEP_S, tracing=tracing["tandem-target"])
     draft, _ = start_draft(draft_dir, tracing=tracing["tandem-draft"])
-    router = start_router(config(tracer=RouterTracer(tracing["tandem-router"])), target.address, draft.address,
+    router = start_router(config(tracing=tracing["tandem-router"]), target.address, draft.address,
                           target_dir)
     post(router.url, [3, 1, 4, 1, 5, 9, 2, 6], 8)  # warm-up: the first forwards of a fresh model are slow
     settled(router, exporters)

@@ -15,7 +15,7 @@ from common.logs import bind
 from router.core import Delta
 from router.engine import RequestStream
 from router.gateway.http_body import error_response, public_error
-from router.request_stats import report
+from router.sequence import report
 
 
 async def respond(request: Request, body, stream: RequestStream, fmt) -> Response:  # noqa: ANN001

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from common.tracing import Tracing
 from router.core import Overloaded, RequestError, ServiceUnavailable
 from router.core import Request as CoreRequest
 from router.engine import RouterEngine
@@ -43,13 +44,12 @@ from router.gateway.responses_body import ResponsesBody
 from router.gateway.responses_format import ResponsesFormat
 from router.gateway.responses_store import ResponseNotFound, ResponseStore, add_stored_response_routes
 from router.gateway.tokenize_body import DetokenizeBody, TokenizeBody
-from router.tracing import RouterTracer
 
 
 def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] = ()) -> FastAPI:
     """aliases: more names the model answers to (model_name is the one /v1/models lists first)."""
     app = FastAPI(title="Tandem", description="Speculative decoding with chunked prefill, as a service",
-                  telemetry=_telemetry(engine.config.tracer))
+                  telemetry=_telemetry(engine.config.tracing))
 
     app.add_middleware(HTTPCounts, counter=engine.metrics.http_requests)
     stored = ResponseStore(engine.config.max_stored_responses)
@@ -246,10 +246,10 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
     return app
 
 
-def _telemetry(tracer: RouterTracer | None) -> dict:
+def _telemetry(tracing: Tracing | None) -> dict:
     """FastAPI's own spans (one per HTTP request, the parent of tandem.request) only when tracing,
     with the router's provider; probes and scrapes are left out."""
-    if tracer is None:
+    if tracing is None:
         return {"tracing": False, "metrics": False, "logs": False}
-    return {"tracer_provider": tracer.tracing.provider, "metrics": False, "logs": False, "operation_spans": False,
+    return {"tracer_provider": tracing.provider, "metrics": False, "logs": False, "operation_spans": False,
             "exclude": lambda scope: scope.get("path") in ("/metrics", "/health", "/ready")}
