@@ -99,6 +99,11 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s,
                    help="ownership lease on each model replica (s): renewed every third of it; a router that dies "
                         "lets others take its replicas, and the replicas free its KV, after this long")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   help="on SIGTERM (a rolling update, a scale-down), how long the requests in flight may finish "
+                        "while new ones are refused (503 / UNAVAILABLE, /ready 503) before the rest are aborted (s); "
+                        "0 aborts them at once. SIGINT (Ctrl-C), or a second signal, stops at once. Kubernetes: "
+                        "terminationGracePeriodSeconds >= preStop sleep + this + a few seconds")
     p.add_argument("--startup-wait", type=float, default=300.0, help="how long to wait for the target at start (s)")
     p.add_argument("--log-level", default="INFO")
     add_log_args(p)
@@ -118,7 +123,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prompt_lookup=not args.no_prompt_lookup,
         prefix_caching=not args.no_prefix_caching,
         target_timeout_s=args.target_timeout, draft_timeout_s=args.draft_timeout, target_grace_s=args.target_grace,
-        lease_ttl_s=args.lease_ttl, tool_call_parser=args.tool_call_parser,
+        lease_ttl_s=args.lease_ttl, shutdown_timeout_s=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template)
 
 

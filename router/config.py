@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from common.tracing import Tracing
 
 
+FLUSH_S = 5.0  # stopping, once the engine is done: time to write the last chunks of every stream
 TOOL_PARSERS = ("hermes",)  # the models' own tool-call formats router.gateway.tools reads
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # where router.gateway.reasoning finds a model's thinking
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # both parsers' markers
@@ -42,6 +43,9 @@ class RouterConfig:
     draft_tls: ClientTLS | None = None
     tracing: Tracing | None = None  # OpenTelemetry spans (router.tracing); None: tracing off
     lease_ttl_s: float = 10.0  # a replica this router stops renewing is freed for others after this long
+    # On SIGTERM: how long the requests in flight may run on while new ones are refused (vLLM's
+    # --shutdown-timeout); 0: they are aborted at once, as on SIGINT.
+    shutdown_timeout_s: float = 30.0
     tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice "auto" (router.gateway.tools)
     reasoning_parser: str | None = None  # where a reasoning model's thinking ends (router.gateway.reasoning)
     chat_template: str = ""  # a Jinja file rendering chats instead of the model's own template (vLLM's flag)
@@ -65,3 +69,5 @@ class RouterConfig:
         for name in ("target_timeout_s", "draft_timeout_s", "target_grace_s", "draft_retry_s", "lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must be >= 0")

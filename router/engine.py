@@ -87,6 +87,7 @@ class RouterEngine:
         self._seqs: dict[int, Sequence] = {}
         self.tokenizer_dir = Path(tokenizer_dir)
         self._grammars: Grammars | None = None
+        self.draining = False  # shutting down: requests in flight finish, new ones are refused
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, wait_s: float = 300.0) -> None:
@@ -99,10 +100,30 @@ class RouterEngine:
         log.info("router ready: %s; sampling defaults %s", ", ".join(
             f"{n} (draft {lane.draft_address})" for n, lane in self.lanes.items()), self.sampling_defaults)
 
-    async def stop(self) -> None:
-        await self.replicas.stop()
-        for seq in list(self._seqs.values()):
+    def drain(self) -> None:
+        """Refuse new requests (503 / UNAVAILABLE, /ready too); those in flight go on."""
+        if not self.draining:
+            self.draining = True
+            log.info("shutting down: %d requests in flight, new ones refused", len(self._seqs))
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Whether every request finished within timeout_s (those in flight keep running meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while self._seqs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._seqs
+
+    def abort_all(self) -> int:
+        """End every request now: each client gets a clean 503 / UNAVAILABLE. Returns how many."""
+        seqs = list(self._seqs.values())
+        for seq in seqs:
             self.finish(seq, FinishReason.ABORT, ServiceUnavailable("router shutting down"))
+        return len(seqs)
+
+    async def stop(self) -> None:
+        self.drain()
+        await self.replicas.stop()
+        self.abort_all()
         await self.replicas.release_all()
         self.codec.close()
 
@@ -135,7 +156,16 @@ class RouterEngine:
 
     @property
     def ready(self) -> bool:
-        return any(lane.up and lane.task is not None and not lane.task.done() for lane in self.lanes.values())
+        return self.unready is None
+
+    @property
+    def unready(self) -> str | None:
+        """Why a new request is refused now; None: it is taken."""
+        if self.draining:
+            return "the router is shutting down: send it to another"
+        if not any(lane.up and lane.task is not None and not lane.task.done() for lane in self.lanes.values()):
+            return "the target service is unavailable"
+        return None
 
     @property
     def max_model_len(self) -> int:
@@ -207,8 +237,8 @@ class RouterEngine:
     def _queue(self, req: Request, max_tokens: int, trace_parent: Context | None, queue: asyncio.Queue[Delta],
                first_index: int) -> list[Sequence]:
         """Queue a validated request's n choices, their Deltas into `queue` numbered from first_index."""
-        if not self.ready:
-            raise ServiceUnavailable("not ready: the target service is unavailable")
+        if self.unready is not None:
+            raise ServiceUnavailable(f"not ready: {self.unready}")
         total = len(req.prompt_ids) + max_tokens
         lanes = [lane for lane in self.lanes.values() if lane.scheduler.fits_ever(total)]
         waiting = sum(len(lane.scheduler.waiting) for lane in self.lanes.values())

@@ -1,5 +1,14 @@
 """Run the router: engine + HTTP (uvicorn) + public gRPC (Generate, health, reflection) in one
-event loop, and stop them in order: stop taking requests, finish or abort what runs, release KV."""
+event loop, and stop them in order: stop taking requests, finish or abort what runs, release KV.
+
+On SIGTERM (Kubernetes' way to end a pod: a rolling update, a scale-down) the router drains:
+
+    SIGTERM ─┬─ new requests refused: HTTP's listener closes, gRPC answers UNAVAILABLE, health NOT_SERVING
+             ├─ requests in flight run on, up to --shutdown-timeout (they keep their replicas' leases)
+             ├─ what still runs then is aborted: each client gets a clean 503 / UNAVAILABLE
+             └─ streams written (FLUSH_S), KV released in both services, exit 0
+
+SIGINT (Ctrl-C), or a second signal during a drain, skips the wait."""
 
 from __future__ import annotations
 
@@ -8,7 +17,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -21,7 +30,7 @@ from common.reload import POLL_S, reload_on_sighup
 from common.tls import reload_ssl_context, server_credentials, uvicorn_ssl
 from router import grpc_api
 from router.auth import GrpcGuard, HTTPGuard
-from router.config import RouterConfig
+from router.config import FLUSH_S, RouterConfig
 from router.engine import RouterEngine
 from router.gateway.http_api import create_app
 from router.security import RouterSecurity
@@ -31,14 +40,19 @@ log = logging.getLogger(__name__)
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die by the
-    signal before the router released its sequences; here a signal only asks for shutdown and the
-    process exits normally once everything is stopped."""
+    signal before the router released its sequences; here a signal goes to on_signal (on the event
+    loop: RouterServer.shut_down), and the process exits normally once everything is stopped."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int], None]) -> None:
+        super().__init__(config)
+        self.on_signal = on_signal
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         if threading.current_thread() is threading.main_thread():
+            loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self.handle_exit)
+                loop.add_signal_handler(sig, self.on_signal, sig)
         yield
 
 
@@ -64,6 +78,8 @@ class RouterServer:
         self.http: uvicorn.Server | None = None
         self.grpc_port = 0
         self._https_reload: asyncio.Task | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._winding_down: asyncio.Task | None = None
 
     async def start(self, wait_s: float = 300.0) -> None:
         await self.engine.start(wait_s)
@@ -71,7 +87,7 @@ class RouterServer:
         guard = sec.guard()
         self.grpc_server = grpc.aio.server(interceptors=[GrpcGuard(guard, [grpc_api.SERVICE_NAME])] if guard else [])
         grpc_api.register(self.grpc_server, self.engine, e.model_name, e.model_aliases)
-        health_servicer = health.aio.HealthServicer()
+        self._health = health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc_server)
         reflection.enable_server_reflection((grpc_api.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.grpc_server)
@@ -91,7 +107,8 @@ class RouterServer:
         # server that closes an idle connection first races with the client's next request on it
         # log_config=None: uvicorn's lines go through the root logger, in the process's --log-format
         self.http = _Uvicorn(uvicorn.Config(app, host=e.host, port=e.http_port, log_level="warning", log_config=None,
-                                            timeout_graceful_shutdown=5, timeout_keep_alive=75, **https))
+                                            timeout_graceful_shutdown=FLUSH_S, timeout_keep_alive=75, **https),
+                             self.shut_down)
         if sec.public is not None:
             self._https_reload = asyncio.create_task(self._reload_https())
         log.info("HTTP on %s://%s:%d  gRPC on %s:%d  model %r", "https" if https else "http", e.host, e.http_port,
@@ -119,10 +136,35 @@ class RouterServer:
         assert self.http is not None and self.http.servers, "HTTP not started"
         return self.http.servers[0].sockets[0].getsockname()[1]
 
+    def shut_down(self, sig: int) -> None:
+        """A signal: the first SIGTERM drains for config.shutdown_timeout_s, SIGINT does not wait; a
+        second signal aborts what a drain is waiting for."""
+        if self._winding_down is None:
+            wait_s = self.config.shutdown_timeout_s if sig == signal.SIGTERM else 0.0
+            self._winding_down = asyncio.create_task(self._wind_down(wait_s))
+        elif n := self.engine.abort_all():
+            log.warning("%s: aborted the %d requests still running", signal.Signals(sig).name, n)
+
+    async def _wind_down(self, wait_s: float) -> None:
+        assert self.http is not None and self.grpc_server is not None and self._health is not None
+        self.engine.drain()
+        for name in ("", grpc_api.SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        grpc_stopped = asyncio.create_task(self.grpc_server.stop(wait_s + FLUSH_S))  # new RPCs: UNAVAILABLE
+        self.http.config.timeout_graceful_shutdown = wait_s + FLUSH_S
+        self.http.should_exit = True  # uvicorn closes its listener and waits for the responses under way
+        if wait_s:
+            log.info("draining: requests in flight have %.0f s to finish", wait_s)
+        if not await self.engine.drained(wait_s) and (n := self.engine.abort_all()):
+            log.warning("aborted %d requests still running after %.0f s", n, wait_s)
+        await grpc_stopped
+
     async def stop(self) -> None:
         if self._https_reload is not None:
             self._https_reload.cancel()
-        if self.grpc_server is not None:
+        if self._winding_down is not None:
+            await self._winding_down
+        elif self.grpc_server is not None:
             await self.grpc_server.stop(2.0)
         await self.engine.stop()
         log.info("router stopped")

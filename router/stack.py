@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.tls import TLSFiles
+from router.config import FLUSH_S, RouterConfig
 
 OMP_SPIN_COUNT = 10_000  # GOMP_SPINCOUNT of the processes started here (Stack._spawn says why)
 
@@ -188,8 +189,20 @@ class Stack:
         proc.send_signal(sig)
         proc.wait(30)
 
+    @property
+    def router_drain_s(self) -> float:
+        """How long the router may drain on SIGTERM (its --shutdown-timeout) and write its last streams."""
+        drain = RouterConfig.shutdown_timeout_s
+        for i, arg in enumerate(self.router_args):
+            if arg.startswith("--shutdown-timeout="):
+                drain = float(arg.partition("=")[2])
+            elif arg == "--shutdown-timeout" and i + 1 < len(self.router_args):
+                drain = float(self.router_args[i + 1])
+        return drain + FLUSH_S
+
     def stop(self, timeout: float = 20.0, signalled: bool = False) -> dict[str, int]:
-        """SIGTERM in order (router, then services); SIGKILL what is still alive after timeout.
+        """SIGTERM in order (router, then services); SIGKILL what is still alive after timeout (the
+        router: after its drain too, while the services still serve what it finishes).
         signalled: the children got the terminal's Ctrl-C too; let them finish on their own first."""
         codes = {}
         if signalled:
@@ -203,7 +216,7 @@ class Stack:
             if proc.poll() is None:
                 proc.terminate()
             try:
-                codes[name] = proc.wait(timeout)
+                codes[name] = proc.wait(timeout + (self.router_drain_s if name == "router" else 0.0))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes[name] = proc.wait()

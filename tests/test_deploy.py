@@ -350,6 +350,13 @@ def test_container_args_parse_with_the_real_clis(rendered):
 
     r = args["router"]
     assert r.host == "0.0.0.0"
+    from router.config import FLUSH_S
+
+    pre_stop = int(main_container(deps["router"])["lifecycle"]["preStop"]["exec"]["command"][-1])
+    grace = pod_spec(deps["router"]).get("terminationGracePeriodSeconds", 30)
+    assert grace >= pre_stop + r.shutdown_timeout + FLUSH_S + 5, \
+        f"router: terminationGracePeriodSeconds {grace} cuts the drain short (preStop {pre_stop} s, " \
+        f"--shutdown-timeout {r.shutdown_timeout} s)"
     ports = container_ports(deps["router"])
     assert ports.get("http") == r.port == ROUTER_PORTS["http"]
     assert ports.get("grpc") == r.grpc_port == ROUTER_PORTS["grpc"]

@@ -82,8 +82,8 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
             names = ", ".join(repr(m) for m in [*served, *engine.lora_adapters])
             raise Refusal(error(404, f"model {body.model!r} not found; this server serves {names}",
                                 "model", "not_found_error"))
-        if not engine.ready:
-            raise Refusal(error(503, "not ready: the target service is unavailable", kind="unavailable"))
+        if engine.unready is not None:
+            raise Refusal(error(503, f"not ready: {engine.unready}", kind="unavailable"))
         return body
 
     @app.post("/v1/completions")
@@ -230,8 +230,8 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
 
     @app.get("/ready")
     async def ready() -> Response:
-        if not engine.ready:
-            return error(503, "target unavailable", kind="unavailable")
+        if engine.unready is not None:
+            return error(503, engine.unready, kind="unavailable")
         lanes = list(engine.lanes.values())
         return JSONResponse({"status": "ready", "target": lanes[0].name, "draft": lanes[0].draft_address,
                              "draft_available": any(lane.draft_address for lane in lanes)
