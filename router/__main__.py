@@ -77,7 +77,8 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
     p.add_argument("--no-prompt-lookup", action="store_true",
                    help="never speculate with prompt lookup (by default a sequence the draft has no proposal for, "
                         "or every sequence when there is no draft, proposes what followed its last 2-4 tokens "
-                        "earlier in its own history: vLLM's ngram speculation)")
+                        "earlier in its own history: vLLM's ngram speculation); a request's own `prediction` "
+                        "(OpenAI's Predicted Outputs) is still proposed: its client asked for it")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (default: sequences start from the KV blocks of their longest "
                         "prefix cached by each service, e.g. the earlier turns of a conversation)")

@@ -259,7 +259,8 @@ class RouterEngine:
                            grammar=self.grammars.state(grammar, req.grammar_opens_after) if grammar else None,
                            tracker=lane.loop.spec.draft_acceptance.tracker(),
                            lookup_tracker=lane.loop.spec.lookup_acceptance.tracker(),
-                           lookup=PromptLookup(prediction=req.prediction, start=len(req.prompt_ids)))
+                           lookup=PromptLookup(prediction=req.prediction, start=len(req.prompt_ids),
+                                               history=self.config.prompt_lookup))
             if seqs:
                 seqs[0].forks.append(seq)
             seqs.append(seq)

@@ -26,10 +26,12 @@ from collections.abc import Sequence as Seq
 
 
 class PromptLookup:
-    def __init__(self, n_min: int = 2, n_max: int = 4, prediction: Seq[int] = (), start: int = 0) -> None:
-        """prediction: the output the request expects, whose first token would follow history[:start]."""
+    def __init__(self, n_min: int = 2, n_max: int = 4, prediction: Seq[int] = (), start: int = 0,
+                 history: bool = True) -> None:
+        """prediction: the output the request expects, whose first token would follow history[:start].
+        history False: the prediction alone is looked in (the router's --no-prompt-lookup)."""
         assert 1 <= n_min <= n_max
-        self.n_min, self.n_max = n_min, n_max
+        self.n_min, self.n_max, self.history = n_min, n_max, history
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence (indexed so far)
         self._indexed = 0  # n-grams ending at positions <= this are in the index
         self._last_offer: tuple[int, int, list[int]] = (-1, 0, [])  # (history length, k, proposal)
@@ -50,9 +52,11 @@ class PromptLookup:
         end = len(history) if end is None else end
         if self._last_offer[:2] == (end, k):
             return list(self._last_offer[2])
-        self._index(history, end - 1)  # everything but the suffix itself
         offer, matched, followed = self._predicted_offer(history, k, end) if self.prediction else ([], 0, 0)
-        for n in range(min(self.n_max, end - 1), max(self.n_min, matched + 1) - 1, -1):  # a longer match wins
+        if self.history:
+            self._index(history, end - 1)  # everything but the suffix itself
+        longest = min(self.n_max, end - 1) if self.history else 0
+        for n in range(longest, max(self.n_min, matched + 1) - 1, -1):  # a longer match wins
             at = self._last.get(tuple(history[end - n:end]))
             if at is not None:
                 offer, matched = list(history[at:min(at + k, end)]), 0

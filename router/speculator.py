@@ -55,7 +55,7 @@ class Speculator:
     # ---- k and proposals ------------------------------------------------------------------------
     def cap(self, seq: Sequence) -> int:
         """Largest k this sequence may use now (0: plain decoding)."""
-        if self.k_max == 0 or not (self.draft.up or self.config.prompt_lookup):
+        if self.k_max == 0 or not (self.draft.up or self.config.prompt_lookup or seq.request.prediction):
             return 0
         cap = min(self.k_max, self.draft.max_k) if self.draft.up else self.k_max
         if seq.request.max_speculative_tokens is not None:
@@ -76,7 +76,7 @@ class Speculator:
 
     def lookup(self, seq: Sequence) -> Proposal:
         """Where the draft has nothing for a sequence: what followed its suffix earlier in its history."""
-        if not self.config.prompt_lookup or seq.request.reproducible:
+        if seq.request.reproducible or not (self.config.prompt_lookup or seq.request.prediction):
             return [], []
         drafts = seq.lookup.propose(seq.tokens, self.k_max)
         if not drafts or seq.request.sampling.greedy:

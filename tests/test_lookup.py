@@ -55,6 +55,13 @@ def test_an_output_that_parts_from_the_prediction_is_found_again_where_they_meet
     assert tied.propose(out[:-3] + [5, 8, 9], 2) == [30, 31], "both match 2 tokens: the prediction's"
 
 
+def test_without_history_lookup_only_the_prediction_is_looked_in():
+    out = PROMPT + [7, 8, 9, 7, 8]
+    assert PromptLookup(prediction=[40, 41], start=len(PROMPT), history=False).propose(out, 2) == [], \
+        "the history repeats itself, but --no-prompt-lookup: not proposed"
+    assert PromptLookup(prediction=[7, 8, 9, 7, 8, 30], start=len(PROMPT), history=False).propose(out, 2) == [30]
+
+
 def test_the_index_grows_with_the_history():
     lookup, h = PromptLookup(), [5, 6, 7]
     assert lookup.propose(h, 2) == []
@@ -90,6 +97,13 @@ def test_a_router_without_a_draft_speculates_from_the_history(model_pair):
         assert metric(router.url, "tandem:spec_decode_num_draft_tokens_total") > 0
         complete(plain.url, prompt, 10)
         assert metric(plain.url, "tandem:spec_decode_num_draft_tokens_total") == 0, "--no-prompt-lookup: plain"
+        want = out["choices"][0]["token_ids"]
+        with grpc.insecure_channel(plain.grpc_address) as channel:
+            predicted = generate_pb2_grpc.GenerateStub(channel).GenerateUnary(generate_pb2.GenerateRequest(
+                prompt_token_ids=prompt, max_tokens=40, ignore_eos=True, prediction_token_ids=want,
+                sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=60)
+        assert list(predicted.token_ids) == want
+        assert predicted.accepted_prediction_tokens >= 20, "a request's own prediction is proposed even so"
     finally:
         router.stop(), plain.stop(), target.stop()
 
