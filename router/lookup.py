@@ -111,11 +111,13 @@ class LookupShadow:
     prompt): the text right after a history with no match is often a repeat that lookup finds a token
     later, so drafting was credited with steps lookup alone would not have needed."""
 
-    def __init__(self, k: int, start: int) -> None:
+    def __init__(self, k: int, start: int, lookup: PromptLookup | None = None) -> None:
+        """lookup: a fresh PromptLookup as the sequence's own was made (its prediction, whether it looks
+        in the history), with its own index: the sequence's has n-grams past `pos`."""
         assert k >= 1 and start >= 0
         self.k = k
         self.pos = start  # the replay has emitted the text up to here
-        self._lookup = PromptLookup()  # its own index: the sequence's own has n-grams past `pos`
+        self._lookup = lookup or PromptLookup()
 
     def restart(self, at: int) -> None:
         """Replay from `at` on, as if lookup alone had just emitted the text up to there (its index kept)."""

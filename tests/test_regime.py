@@ -90,6 +90,15 @@ def test_a_finished_text_ends_the_replay_with_one_step_for_what_is_left():
     assert shadow.advance(text, finished=True) == 1 and shadow.pos == len(text)
 
 
+def test_a_predicted_output_is_replayed_as_lookup_alone_would_propose_it():
+    prompt, output = list(range(100, 108)), list(range(200, 220))  # nothing repeats: one token a step alone
+    text = prompt + output
+    plain = LookupShadow(4, len(prompt)).advance(text, finished=True)
+    predicted = LookupShadow(4, len(prompt), PromptLookup(prediction=output, start=len(prompt)))
+    assert plain == len(output)
+    assert predicted.advance(text, finished=True) == 4, "the prediction proposed: 4 guesses and the target's token"
+
+
 def text_with_repeats(seed: int, n: int = 30_000) -> list[int]:
     """Fresh runs (one token a step for lookup alone) and repeats of earlier runs (up to k + 1 tokens a
     step), in random segments: lookup's yield swings from window to window."""
