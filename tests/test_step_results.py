@@ -179,3 +179,19 @@ def test_the_regime_s_progress_counts_each_decoder_in_steps_of_prompt_lookup_alo
                                  measured=True) is None
     empty = target_pb2.StepResponse(results=[target_pb2.EntryResult(seq_id=1)])
     assert recorder.lookup_steps(StepPlan(decodes=[(repeat, 3)]), empty, measured=True) == 0.0, "no tokens"
+
+
+def test_a_predicted_output_is_replayed_with_its_prediction():
+    """Lookup alone would have proposed the request's prediction: its replay does too."""
+    from router.step_record import StepRecorder
+
+    spec, metrics, _, _ = _books()
+    recorder = StepRecorder(spec, metrics, "r0")
+    output = [20, 21, 22, 23, 24]
+    seq = Sequence(1, Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=64,
+                              prediction=tuple(output)))
+    seq.tokens, seq.num_prompt = [1, 2, 3], 3
+    plan = StepPlan(decodes=[(seq, 4)])
+    seq.tokens += output
+    response = target_pb2.StepResponse(results=[target_pb2.EntryResult(seq_id=1, tokens=output)])
+    assert recorder.lookup_steps(plan, response, measured=True) == 1, "4 predicted tokens and the target's: one step"
