@@ -1,10 +1,12 @@
 """The router's security settings: API keys and per-key limits on the public doors (router.auth),
-TLS to the model services, TLS on the public doors (common.tls). Flags defined once, here."""
+TLS to the model services, TLS on the public doors (common.tls), which web pages may call the HTTP
+door from a browser (CORS). Flags defined once, here."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,22 @@ from common.cli import Secret
 from common.tls import Certificates, ClientTLS, TLSError, add_tls_args, files_from_args
 from router.auth import ApiKeys, Guard, Limits
 from router.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class CORS:
+    """Pages from these origins may call the HTTP door from a browser (which asks first: a preflight
+    OPTIONS, answered before any API key is checked, since a browser sends none with it)."""
+
+    origins: tuple[str, ...]  # "https://app.example.com"; "*": any page
+    methods: tuple[str, ...] = ("GET", "POST", "DELETE", "OPTIONS")
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False  # cookies and HTTP authentication (not needed for an Authorization header)
+
+    def __post_init__(self) -> None:
+        if self.credentials and "*" in self.origins:
+            raise ValueError("--allow-credentials with --allowed-origins '*' would let any page act with a "
+                             "visitor's credentials: name the origins")
 
 
 @dataclass(frozen=True)
@@ -23,6 +41,7 @@ class RouterSecurity:
     target_server_name: str = ""  # name to verify in the target's certificate instead of the address
     draft_server_name: str = ""
     public: Certificates | None = None  # TLS on the HTTP and gRPC doors; None: plaintext
+    cors: CORS | None = None  # None: no CORS headers, browsers keep other origins' pages out
 
     def guard(self) -> Guard | None:
         return Guard(self.keys, self.limits) if self.keys is not None or self.limits.any else None
@@ -43,7 +62,9 @@ class RouterSecurity:
             f"{lim.max_concurrent} concurrent" if lim.max_concurrent else "") if part) or "none"
         upstream = "plaintext" if self.upstream is None else "mutual TLS" if self.upstream.pem.cert else "TLS"
         public = "plaintext" if self.public is None else "mutual TLS" if self.public.pem.ca else "TLS"
-        return f"{keys}; per-key limits: {limits}; to the services: {upstream}; public doors: {public}"
+        cors = ", ".join(self.cors.origins) if self.cors is not None else "none"
+        return f"{keys}; per-key limits: {limits}; to the services: {upstream}; public doors: {public}; " \
+               f"browser origins (CORS): {cors}"
 
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +92,18 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
                           help="name to verify in the target's certificate (default: the host of each address); "
                                "needed when discovery yields pod IPs, e.g. target.tandem.svc")
     upstream.add_argument("--draft-tls-server-name", default="", help="the same for the draft's certificate")
+    browsers = parser.add_argument_group(
+        "Browsers (CORS)", "By default no CORS headers are sent, so a browser keeps pages from other origins "
+        "from reading the answers. vLLM's flags; each takes values or a JSON list.")
+    browsers.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                          help="origins whose pages may call the HTTP door, e.g. https://chat.example.com ('*': "
+                               "any; API keys still apply)")
+    browsers.add_argument("--allowed-methods", nargs="+", default=list(CORS.methods), metavar="METHOD",
+                          help="methods they may use")
+    browsers.add_argument("--allowed-headers", nargs="+", default=list(CORS.headers), metavar="HEADER",
+                          help="request headers they may send")
+    browsers.add_argument("--allow-credentials", action="store_true",
+                          help="let them send cookies and HTTP authentication too (not with '*')")
     add_tls_args(parser, prefix="public-", title="TLS on the public doors (HTTP and gRPC)",
                  description="HTTPS and gRPC over TLS with this certificate; with --public-tls-ca, clients "
                              "must present a certificate from that CA. Probes then need HTTPS too.")
@@ -87,8 +120,28 @@ def security_from_args(args: argparse.Namespace) -> RouterSecurity:
         raise TLSError("--public-tls-ca needs --public-tls-cert and --public-tls-key")
     if (args.target_tls_server_name or args.draft_tls_server_name) and upstream_files is None:
         raise ValueError("--target-tls-server-name / --draft-tls-server-name need TLS to the services (--tls-ca)")
+    origins = _values(args.allowed_origins)
+    cors = CORS(origins, _values(args.allowed_methods), _values(args.allowed_headers),
+                args.allow_credentials) if origins else None
     return RouterSecurity(
-        keys=keys, limits=limits, metrics_require_key=args.metrics_require_key,
+        keys=keys, limits=limits, metrics_require_key=args.metrics_require_key, cors=cors,
         upstream=Certificates(upstream_files) if upstream_files else None,
         target_server_name=args.target_tls_server_name, draft_server_name=args.draft_tls_server_name,
         public=Certificates(public_files) if public_files else None)
+
+
+def _values(given: list[str]) -> tuple[str, ...]:
+    """Values as given, or in JSON lists (vLLM's form: --allowed-origins '["https://a.example"]')."""
+    out: list[str] = []
+    for value in given:
+        if value.startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"not a JSON list: {value!r} ({err})") from None
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise ValueError(f"not a JSON list of strings: {value!r}")
+            out += items
+        else:
+            out.append(value)
+    return tuple(out)

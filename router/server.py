@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 import uvicorn
+from fastapi.middleware.cors import CORSMiddleware
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -102,6 +103,10 @@ class RouterServer:
         app = create_app(self.engine, e.model_name, e.model_aliases)
         if guard is not None:
             app.add_middleware(HTTPGuard, guard=guard, metrics=sec.metrics_require_key)
+        if sec.cors is not None:  # added last, so outermost: preflights and refusals get its headers too
+            app.add_middleware(CORSMiddleware, allow_origins=list(sec.cors.origins),
+                               allow_methods=list(sec.cors.methods), allow_headers=list(sec.cors.headers),
+                               allow_credentials=sec.cors.credentials)
         https = uvicorn_ssl(sec.public.files) if sec.public is not None else {}
         # keep-alive longer than clients' and load balancers' idle timeouts (60 s is common): a
         # server that closes an idle connection first races with the client's next request on it
