@@ -6,9 +6,13 @@
 - a stored response reads back (retrieve), lists the items it answered (input_items), and is
   forgotten (delete); store false keeps nothing; a turn whose ancestor is gone is a 404 naming it
 - the store keeps the most recent --max-stored-responses and none at 0
+- a background response is queued at once and read back as its answer when done; cancelled, it stops
+  and frees its KV; it is never streamed, always stored, and cannot be continued while it runs
 """
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import openai
@@ -17,7 +21,7 @@ from openai import OpenAI
 
 from router.config import RouterConfig
 from router.gateway.responses_store import ResponseNotFound, ResponseStore
-from tests.stack import running_stack
+from tests.stack import running_stack, wait_until
 
 SAMPLING = {"temperature": 0, "max_output_tokens": 12, "extra_body": {"ignore_eos": True}}
 
@@ -102,3 +106,44 @@ def test_stored_responses_read_back_list_and_are_deleted(stack):
         client.responses.retrieve(unkept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.delete("resp_nothing")
+
+
+def _settled(client: OpenAI, response_id: str, timeout: float = 60.0):  # noqa: ANN202
+    deadline = time.monotonic() + timeout
+    while (r := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"still {r.status} after {timeout:.0f}s"
+        time.sleep(0.05)
+    return r
+
+
+def test_a_background_response_is_queued_at_once_and_read_back_as_its_answer(stack):
+    client = stack["client"]
+    queued = client.responses.create(model="tiny", input="Hello there", background=True, **SAMPLING)
+    assert queued.background and queued.status == "queued" and queued.output == []
+    done = _settled(client, queued.id)
+    foreground = client.responses.create(model="tiny", input="Hello there", **SAMPLING)
+    assert done.status == foreground.status == "incomplete" and done.output_text == foreground.output_text
+    assert done.usage.output_tokens == 12 and done.background and not foreground.background
+    follow = client.responses.create(model="tiny", input="More", previous_response_id=queued.id, **SAMPLING)
+    assert follow.previous_response_id == queued.id, "a finished background response continues as any other"
+
+
+def test_a_background_response_cancelled_stops_and_frees_its_kv(stack):
+    client, url, engine = stack["client"], stack["router"].url, stack["router"].server.engine
+    long = {"temperature": 0, "max_output_tokens": 400, "extra_body": {"ignore_eos": True}}
+    running = client.responses.create(model="tiny", input="Tell me everything", background=True, **long)
+    r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "Next", "previous_response_id": running.id})
+    assert r.status_code == 400 and "still in progress" in r.json()["error"]["message"], r.text
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled", "cancelled again: answered as it is"
+    assert wait_until(lambda: not engine._seqs, timeout=1), "its sequence aborted at once"
+    assert wait_until(lambda: stack["target"].blocks.num_sequences == 0, timeout=10), "its KV freed"
+    finished = client.responses.create(model="tiny", input="Hi", **SAMPLING)
+    with pytest.raises(openai.BadRequestError, match="only a background response"):
+        client.responses.cancel(finished.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nothing")
+    for bad in ({"stream": True}, {"store": False}):
+        r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "x", "background": True, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text

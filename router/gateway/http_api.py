@@ -25,6 +25,7 @@ from router.core import Overloaded, RequestError, ServiceUnavailable
 from router.core import Request as CoreRequest
 from router.engine import RouterEngine
 from router.gateway.answers import respond
+from router.gateway.background import BackgroundResponses, add_cancel_route
 from router.gateway.http_body import (
     PARSE_OFF_LOOP_BYTES,
     Refusal,
@@ -53,6 +54,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
 
     app.add_middleware(HTTPCounts, counter=engine.metrics.http_requests)
     stored = ResponseStore(engine.config.max_stored_responses)
+    background = BackgroundResponses(stored)
     served = (model_name, *aliases)
 
     @app.exception_handler(Exception)
@@ -148,7 +150,12 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
                                            f"resp-{uuid.uuid4().hex}")
             keep = functools.partial(stored.put, inputs=body.input_items(), previous=previous) \
                 if body.store and stored.capacity else None
-            return await respond(request, body, engine.submit(req), ResponsesFormat(chat, body, body.model, keep))
+            if body.background and keep is None:
+                raise RequestError("background", "this router stores no responses (--max-stored-responses 0)")
+            fmt = ResponsesFormat(chat, body, body.model, keep)
+            if body.background:
+                return JSONResponse(background.start(engine.submit(req), fmt))
+            return await respond(request, body, engine.submit(req), fmt)
         except ResponseNotFound as e:
             return error(404, str(e), "previous_response_id", "not_found_error")
         except Refusal as e:
@@ -209,6 +216,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
 
     add_lora_routes(app, engine, model_name)
     add_stored_response_routes(app, stored)
+    add_cancel_route(app, background)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -67,6 +67,13 @@ class ResponsesFormat:
             self.output[-1]["status"] = "incomplete"
         return self._finished(deltas)
 
+    def pending(self, status: str) -> dict:
+        """The response before its answer: queued, in_progress, or cancelled (background responses)."""
+        return self._response(None, status)
+
+    def failed(self, message: str) -> dict:
+        return {**self._response(None, "failed"), "error": {"code": "server_error", "message": message}}
+
     def _finished(self, deltas: list[Delta]) -> dict:
         response = self._response(deltas)
         if self.keep is not None:
@@ -96,6 +103,7 @@ class ResponsesFormat:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "reasoning": None, "store": self.keep is not None,
+            "background": body.background,
             "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled",
             "metadata": {}, "usage": None if usage is None else {

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from common.sampling import InvalidField
 from router.gateway.http_body import error
 
 
@@ -66,6 +67,8 @@ class ResponseStore:
             except ResponseNotFound:
                 why = "" if at == response_id else f" (it continues {at!r}, which is no longer stored)"
                 raise ResponseNotFound(response_id, why) from None
+            if turns[-1].response.get("status") in ("queued", "in_progress"):
+                raise InvalidField("previous_response_id", f"{at!r} is still in progress: wait until it is done")
             at = turns[-1].previous
         return [item for turn in reversed(turns) for item in (*turn.inputs, *turn.response["output"])]
 
