@@ -139,6 +139,10 @@ def test_a_background_response_cancelled_stops_and_frees_its_kv(stack):
     assert client.responses.cancel(running.id).status == "cancelled", "cancelled again: answered as it is"
     assert wait_until(lambda: not engine._seqs, timeout=1), "its sequence aborted at once"
     assert wait_until(lambda: stack["target"].blocks.num_sequences == 0, timeout=10), "its KV freed"
+    failing = client.responses.create(model="tiny", input="Tell me more", background=True, **long)
+    stack["router"].loop.call_soon_threadsafe(engine.abort_all)  # as a drain that ran out does
+    failed = _settled(client, failing.id)
+    assert failed.status == "failed" and "shutting down" in failed.error.message
     finished = client.responses.create(model="tiny", input="Hi", **SAMPLING)
     with pytest.raises(openai.BadRequestError, match="only a background response"):
         client.responses.cancel(finished.id)
