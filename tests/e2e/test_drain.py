@@ -21,6 +21,7 @@ from tests.e2e.test_chaos import assert_nothing_held
 
 PROMPTS = [[(11 * i + 5 * j) % 300 + 2 for j in range(n)] for i, n in enumerate([5, 17, 9, 30, 12, 24])]
 LONG = 300  # tokens per stream: long enough that the signal arrives mid-stream
+LONGEST = 480  # the gRPC stream's, started first (the model's context: 512)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TANDEM_E2E_K8S") == "1", reason="needs the processes at hand")
 
@@ -79,6 +80,20 @@ def streams_in_flight(stack: Stack) -> list[cf.Future]:
     return futures
 
 
+def grpc_stream(stack: Stack, prompt: list[int], started: cf.Future) -> tuple[list[int], str]:
+    """One streamed gRPC Generate, read to its end: its tokens and finish reason."""
+    ids, reason = [], ""
+    with grpc.insecure_channel(f"{stack.host}:{stack.grpc_port}") as channel:
+        for msg in generate_pb2_grpc.GenerateStub(channel).Generate(generate_pb2.GenerateRequest(
+                prompt_token_ids=prompt, max_tokens=LONGEST, ignore_eos=True,
+                sampling=common_pb2.SamplingParams(temperature=0)), timeout=120):
+            ids += msg.token_ids
+            reason = msg.finish_reason or reason
+            if not started.done():
+                started.set_result(True)
+    return ids, reason
+
+
 def refused(stack: Stack) -> tuple[bool, grpc.StatusCode | None]:
     """A new HTTP request is turned away (the listener closed, or 503), and so is a new gRPC Generate."""
     try:
@@ -99,12 +114,18 @@ def refused(stack: Stack) -> tuple[bool, grpc.StatusCode | None]:
 
 def test_sigterm_lets_every_stream_in_flight_finish_and_refuses_new_requests(stack, ref):
     restart_router(stack, "--shutdown-timeout", "120")
-    futures = streams_in_flight(stack)
-    t0 = time.monotonic()
-    stack.procs["router"].send_signal(signal.SIGTERM)
-    time.sleep(0.5)  # the signal handled: the listener closes, gRPC refuses
-    http_refused, grpc_code = refused(stack)
-    results = [f.result(timeout=120) for f in futures]
+    started = cf.Future()
+    with cf.ThreadPoolExecutor(1) as pool:
+        over_grpc = pool.submit(grpc_stream, stack, PROMPTS[2], started)
+        started.result(timeout=60)
+        futures = streams_in_flight(stack)
+        assert not over_grpc.done(), "the gRPC stream ended before the signal: nothing under test"
+        t0 = time.monotonic()
+        stack.procs["router"].send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the signal handled: the listener closes, gRPC refuses
+        http_refused, grpc_code = refused(stack)
+        results = [f.result(timeout=120) for f in futures]
+        assert over_grpc.result(timeout=120) == (ref.greedy(PROMPTS[2], LONGEST), "length"), "gRPC's stream too"
     code = stack.procs["router"].wait(60)
     took = time.monotonic() - t0
     for prompt, r in zip(PROMPTS, results, strict=True):
