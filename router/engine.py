@@ -32,43 +32,11 @@ from router.output import OutputBuilder
 from router.replicas import Replicas
 from router.request_checks import check_request
 from router.request_trace import RequestTrace
-from router.sequence import Sequence, about, report
+from router.sequence import RequestStream, Sequence, about, report
 from router.structured import Grammars
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-
-
-class RequestStream:
-    """The outputs of one submitted request (its n choices interleaved, each Delta naming its index).
-    Closing it before the last Delta aborts the request and frees its KV in both services."""
-
-    def __init__(self, engine: RouterEngine, seqs: list[Sequence]) -> None:
-        self._engine, self.seqs = engine, seqs
-        self.seq = seqs[0]
-        self._running = len(seqs)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        if not self._running:
-            raise StopAsyncIteration
-        delta = await self.seq.outputs.get()
-        if delta.finish_reason is not None:
-            self._running -= 1
-            if delta.error is not None:  # one choice failed: the request fails, its siblings stop
-                self.abort()
-        return delta
-
-    async def aclose(self) -> None:
-        self.abort()
-
-    def abort(self) -> None:
-        self._running = 0
-        for seq in self.seqs:
-            if not seq.finished:
-                self._engine.finish(seq, FinishReason.ABORT, None)
 
 
 class RouterEngine:
@@ -224,15 +192,15 @@ class RouterEngine:
             for p, (req, most) in enumerate(zip(reqs, max_tokens, strict=True)):
                 seqs += self._queue(req, most, trace_parent, queue, p * req.n)
         except Exception:
-            RequestStream(self, seqs).abort()
+            RequestStream(seqs, self.finish).abort()
             raise
-        return RequestStream(self, seqs)
+        return RequestStream(seqs, self.finish)
 
     def submit(self, req: Request, trace_parent: Context | None = None) -> RequestStream:
         """Validate and queue a request (synchronous: raises before anything is queued).
         trace_parent: the caller's span, when tracing (None: the current context's)."""
         req = self._tokenized(req)
-        return RequestStream(self, self._queue(req, self.validate(req), trace_parent, asyncio.Queue(), 0))
+        return RequestStream(self._queue(req, self.validate(req), trace_parent, asyncio.Queue(), 0), self.finish)
 
     def _queue(self, req: Request, max_tokens: int, trace_parent: Context | None, queue: asyncio.Queue[Delta],
                first_index: int) -> list[Sequence]:

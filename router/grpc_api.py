@@ -13,8 +13,8 @@ from common.logs import bind
 from common.sampling import SamplingParams
 from common.tracing import extract
 from router.core import Delta, Overloaded, Request, RequestError, ServiceUnavailable, TokenLogprob
-from router.engine import RequestStream, RouterEngine
-from router.sequence import report
+from router.engine import RouterEngine
+from router.sequence import RequestStream, report
 from router.structured import Constraint
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 

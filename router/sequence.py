@@ -1,14 +1,16 @@
 """The sequence: everything the router knows about one request (one of its n choices). Its history
-is the truth; both services' caches are only caches of it."""
+is the truth; both services' caches are only caches of it. A request's outputs reach its door as a
+RequestStream over its sequences."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router.core import Delta, Request, SeqStatus
+from router.core import Delta, FinishReason, Request, SeqStatus
 from router.lookup import LookupShadow, PromptLookup
 from router.output import OutputBuilder
 from router.prefix_mirror import SeqPrefix
@@ -16,6 +18,8 @@ from router.request_stats import RequestStats
 from router.spec_policy import AcceptanceTracker
 from router.speculation import Prepared
 from router.structured import SeqGrammar
+
+Finisher = Callable[["Sequence", FinishReason, Exception | None], None]  # RouterEngine.finish
 
 
 class Pin(Protocol):
@@ -92,6 +96,40 @@ class Sequence:
         self.prefix.reset()
         self.cache_epoch += 1
         self.stats.queued()  # the callers put it back in a queue
+
+
+
+class RequestStream:
+    """The outputs of one submitted request (its n choices interleaved, each Delta naming its index).
+    Closing it before the last Delta aborts the request and frees its KV in both services."""
+
+    def __init__(self, seqs: list[Sequence], finish: Finisher) -> None:
+        """finish: ends a sequence from outside its output (RouterEngine.finish)."""
+        self.seqs, self._finish = seqs, finish
+        self.seq = seqs[0]
+        self._running = len(seqs)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if not self._running:
+            raise StopAsyncIteration
+        delta = await self.seq.outputs.get()
+        if delta.finish_reason is not None:
+            self._running -= 1
+            if delta.error is not None:  # one choice failed: the request fails, its siblings stop
+                self.abort()
+        return delta
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        self._running = 0
+        for seq in self.seqs:
+            if not seq.finished:
+                self._finish(seq, FinishReason.ABORT, None)
 
 
 def report(seq: Sequence) -> dict[str, Any]:

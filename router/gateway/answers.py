@@ -13,9 +13,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.logs import bind
 from router.core import Delta
-from router.engine import RequestStream
 from router.gateway.http_body import error_response, public_error
-from router.sequence import report
+from router.sequence import RequestStream, report
 
 
 async def respond(request: Request, body, stream: RequestStream, fmt) -> Response:  # noqa: ANN001

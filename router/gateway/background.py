@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse
 
 from common.logs import bind
 from router.core import Delta, RequestError
-from router.engine import RequestStream
 from router.gateway.http_body import error, public_error
 from router.gateway.responses_format import ResponsesFormat
 from router.gateway.responses_store import ResponseNotFound, ResponseStore
+from router.sequence import RequestStream
 
 
 class BackgroundResponses:
