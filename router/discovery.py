@@ -112,6 +112,8 @@ class KubernetesDiscovery(Discovery):
                     if self._stop.is_set():
                         return
             except Exception as err:  # noqa: BLE001 - any API trouble: list again after a pause
+                if self._stop.is_set():  # closed meanwhile: nothing to report
+                    return
                 log.warning("watching EndpointSlices of %s/%s: %s", self.namespace, self.service, err)
                 self._stop.wait(5.0)
 
