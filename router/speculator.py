@@ -75,10 +75,16 @@ class Speculator:
         return best_proposal(seq.prepared, seq.tokens)
 
     def lookup(self, seq: Sequence) -> Proposal:
-        """Where the draft has nothing for a sequence: what followed its suffix earlier in its history."""
-        if seq.request.reproducible or not (self.config.prompt_lookup or seq.request.prediction):
+        """Where the draft has nothing for a sequence: what followed its suffix earlier in its history.
+        A seeded sampled sequence takes only its prediction's guesses, and always where there are any: a
+        rule of its history alone, so its tokens never depend on timing."""
+        if not (self.config.prompt_lookup or seq.request.prediction):
+            return [], []
+        if seq.request.reproducible and not seq.request.prediction:
             return [], []
         drafts = seq.lookup.propose(seq.tokens, self.k_max)
+        if seq.request.reproducible and not seq.lookup.from_prediction:
+            return [], []
         if not drafts or seq.request.sampling.greedy:
             return drafts, []
         return drafts, [common_pb2.SparseDist(token_ids=[t], probs=[1.0]) for t in drafts]  # a point guess
@@ -93,7 +99,8 @@ class Speculator:
         offers = [self._offers(s) if cap > 0 else (([], []), ([], [])) for s, cap in zip(decoders, caps, strict=True)]
         if not self.drafting:  # the draft rests (router.regime): no call will fill a sequence that has no offer
             caps = [cap if drafted[0] or looked[0] else 0 for cap, (drafted, looked) in zip(caps, offers, strict=True)]
-        by_lookup = [self.prefers_lookup(s, len(d[0][:cap]), len(lk[0][:cap]))
+        by_lookup = [bool(lk[0]) if s.request.reproducible  # its prediction's guesses where it has any
+                     else self.prefers_lookup(s, len(d[0][:cap]), len(lk[0][:cap]))
                      for s, cap, (d, lk) in zip(decoders, caps, offers, strict=True)]
         if self.config.dynamic_k:
             dyn = [i for i, s in enumerate(decoders) if not s.request.reproducible]
@@ -220,7 +227,8 @@ class Speculator:
     def decode_ready(self, seq: Sequence) -> bool:
         # Seeded sampling stays reproducible only if its k never depends on timing: it waits
         # for its proposal instead of running at k = 0 while the draft works.
-        return not (seq.request.reproducible and self.cap(seq) > 0 and not self.proposal(seq)[0])
+        return not (seq.request.reproducible and self.cap(seq) > 0 and not self.proposal(seq)[0]
+                    and not self.lookup(seq)[0])
 
     def pipeline_outcome(self, seq: Sequence) -> str | None:
         """For a decoder that wanted drafts this step: hit (a prepared proposal continued its history),

@@ -3,6 +3,8 @@ router with no draft at all speculating from it, exactly."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+
 import grpc
 import httpx
 from tokenizers import Tokenizer
@@ -156,6 +158,37 @@ def test_a_predicted_output_is_proposed_and_changes_nothing_but_the_steps(model_
         assert 'tandem:prediction_tokens_total{outcome="accepted"}' in counted, "every request's, added up"
     finally:
         router.stop(), target.stop(), draft.stop()
+
+
+def test_a_seeded_sampled_request_takes_its_prediction_and_stays_reproducible(model_pair):
+    """Seeded sampling keeps its tokens independent of timing: it takes its prediction's guesses by a rule
+    of its history alone (wherever the prediction has any), so the same request gives the same answer
+    beside other load, and the prediction is verified (accepted where the target's draw agrees)."""
+    target_dir, draft_dir = model_pair
+    target, _ = start_target(target_dir)
+    draft, _ = start_draft(draft_dir)
+    router = start_router(RouterConfig(max_num_batched_tokens=64), target.address, draft.address, target_dir)
+    prompt, n = [(13 * i) % 250 + 3 for i in range(10)], 40
+    seeded = common_pb2.SamplingParams(temperature=0.05, seed=11)  # sampled, yet mostly the likeliest
+
+    def generate(prediction: list[int], sampling: common_pb2.SamplingParams = seeded):  # noqa: ANN202
+        with grpc.insecure_channel(router.grpc_address) as channel:
+            return generate_pb2_grpc.GenerateStub(channel).GenerateUnary(generate_pb2.GenerateRequest(
+                prompt_token_ids=prompt, max_tokens=n, ignore_eos=True, prediction_token_ids=prediction,
+                sampling=sampling), timeout=60)
+
+    try:
+        likely = hf_greedy(target_dir, prompt, n)  # the answer the model finds likeliest
+        with cf.ThreadPoolExecutor(3) as pool:
+            runs = [pool.submit(generate, likely), pool.submit(generate, likely),
+                    pool.submit(generate, [], common_pb2.SamplingParams(temperature=0.0))]
+            first, second, _ = (f.result(timeout=120) for f in runs)
+    finally:
+        router.stop(), target.stop(), draft.stop()
+    assert list(first.token_ids) == list(second.token_ids), "the same seeded request, the same answer"
+    assert first.accepted_prediction_tokens > 0, "its prediction was proposed"
+    assert (first.accepted_prediction_tokens, first.rejected_prediction_tokens) == \
+        (second.accepted_prediction_tokens, second.rejected_prediction_tokens)
 
 
 def test_a_sequence_takes_the_offer_with_more_expected_tokens():
