@@ -24,7 +24,8 @@ from router.gateway.http_body import error
 
 class ResponseNotFound(LookupError):
     def __init__(self, response_id: str, why: str = "") -> None:
-        super().__init__(f"no stored response {response_id!r}{why}")
+        super().__init__(f"no stored response {response_id!r}{why} in this router (responses are kept by the "
+                         f"router that answered them)")
         self.response_id = response_id
 
 
