@@ -7,7 +7,7 @@
 - tools: a named or required call comes back as function_call items; a function_call and its
   function_call_output sent back as input continue the conversation; text.format constrains the text
 - the history's items become the chat messages they mean
-- what Tandem does not do (conversation objects, built-in tools, background streams) is a 400 naming it
+- what Tandem does not do (conversation objects, built-in tools, an unstored background response) is a 400 naming it
   (stored responses and previous_response_id: tests/test_responses_store.py)
 """
 
@@ -53,7 +53,7 @@ def test_input_items_become_the_chat_messages_they_mean():
 @pytest.mark.parametrize("fields,field", [
     ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"background": True, "stream": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),

@@ -7,7 +7,8 @@
   forgotten (delete); store false keeps nothing; a turn whose ancestor is gone is a 404 naming it
 - the store keeps the most recent --max-stored-responses and none at 0
 - a background response is queued at once and read back as its answer when done; cancelled, it stops
-  and frees its KV; it is never streamed, always stored, and cannot be continued while it runs
+  and frees its KV; it is always stored and cannot be continued while it runs; streamed, a client that
+  went away follows its events again from where it left
 """
 
 from __future__ import annotations
@@ -148,6 +149,27 @@ def test_a_background_response_cancelled_stops_and_frees_its_kv(stack):
         client.responses.cancel(finished.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_nothing")
-    for bad in ({"stream": True}, {"store": False}):
-        r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "x", "background": True, **bad})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+    r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "x", "background": True, "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+    r = httpx.get(f"{url}/v1/responses/{finished.id}", params={"stream": "true"})
+    assert r.status_code == 400 and "GET it without stream" in r.json()["error"]["message"], r.text
+
+
+def test_a_streamed_background_response_is_followed_again_after_the_client_went_away(stack):
+    client = stack["client"]
+    want = client.responses.create(model="tiny", input="Count with me", **SAMPLING).output_text
+    first, seen = client.responses.create(model="tiny", input="Count with me", background=True, stream=True,
+                                          **SAMPLING), []
+    for event in first:  # the client reads a few events, then goes away
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    first.close()
+    response_id, last = seen[0].response.id, seen[-1].sequence_number
+    again = list(client.responses.retrieve(response_id, stream=True, starting_after=last))
+    events = seen + again
+    assert [e.sequence_number for e in events] == list(range(len(events))), "none lost, none twice"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert events[-1].type == "response.incomplete" and _settled(client, response_id).output_text == want
+    replay = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.sequence_number for e in replay] == list(range(len(events))), "finished: followed from the start"

@@ -17,7 +17,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from common.tracing import Tracing
@@ -25,7 +25,7 @@ from router.core import Overloaded, RequestError, ServiceUnavailable
 from router.core import Request as CoreRequest
 from router.engine import RouterEngine
 from router.gateway.answers import respond
-from router.gateway.background import BackgroundResponses, add_cancel_route
+from router.gateway.background import BackgroundResponses, add_background_routes
 from router.gateway.http_body import (
     PARSE_OFF_LOOP_BYTES,
     Refusal,
@@ -154,7 +154,10 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
                 raise RequestError("background", "this router stores no responses (--max-stored-responses 0)")
             fmt = ResponsesFormat(chat, body, body.model, keep)
             if body.background:
-                return JSONResponse(background.start(engine.submit(req), fmt))
+                queued = background.start(engine.submit(req), fmt, streamed=body.stream)
+                if body.stream:
+                    return StreamingResponse(background.follow(fmt.id), media_type="text/event-stream")
+                return JSONResponse(queued)
             return await respond(request, body, engine.submit(req), fmt)
         except ResponseNotFound as e:
             return error(404, str(e), "previous_response_id", "not_found_error")
@@ -216,7 +219,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
 
     add_lora_routes(app, engine, model_name)
     add_stored_response_routes(app, stored)
-    add_cancel_route(app, background)
+    add_background_routes(app, stored, background)
 
     @app.get("/v1/models")
     async def models() -> dict:

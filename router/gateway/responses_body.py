@@ -69,9 +69,8 @@ class ResponsesBody(OpenAIBody):
                                                "history as input items")
         if self.include:
             raise RequestError("include", f"not supported: {', '.join(self.include)}")
-        if self.background and (self.stream or not self.store):
-            raise RequestError("background", "a background response is stored and read back, not streamed: "
-                                             "store true, stream false")
+        if self.background and not self.store:
+            raise RequestError("background", "a background response is stored (to be read back): store true")
         if self.truncation not in (None, "disabled"):
             raise RequestError("truncation", 'only "disabled" (a prompt past the context is a 400)')
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else []) + \

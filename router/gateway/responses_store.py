@@ -86,17 +86,11 @@ class ResponseStore:
 
 
 def add_stored_response_routes(app: FastAPI, store: ResponseStore) -> None:
-    """GET /v1/responses/{id}, GET /v1/responses/{id}/input_items and DELETE /v1/responses/{id}."""
+    """GET /v1/responses/{id}/input_items and DELETE /v1/responses/{id} (GET /v1/responses/{id} itself:
+    router.gateway.background, which also follows a response as it runs)."""
 
     def not_found(err: ResponseNotFound) -> JSONResponse:
         return error(404, str(err), "response_id", "not_found_error")
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> JSONResponse:
-        try:
-            return JSONResponse(store.get(response_id))
-        except ResponseNotFound as err:
-            return not_found(err)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str) -> JSONResponse:
