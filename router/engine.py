@@ -72,6 +72,7 @@ class RouterEngine:
         """Refuse new requests (503 / UNAVAILABLE, /ready too); those in flight go on."""
         if not self.draining:
             self.draining = True
+            self.metrics.draining.set(1)
             log.info("shutting down: %d requests in flight, new ones refused", len(self._seqs))
 
     async def drained(self, timeout_s: float) -> bool:

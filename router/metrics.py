@@ -103,6 +103,10 @@ class Metrics:
         self.draft_up = Gauge("tandem:draft_available", "1 when every configured draft replica is in use",
                               registry=r)
         self.target_up = Gauge("tandem:target_available", "1 when at least one target replica answers", registry=r)
+        self.draining = Gauge("tandem:router_draining", "1 once the router is shutting down (SIGTERM): new requests "
+                              "refused, those in flight finishing", registry=r)
+        self.background = Gauge("tandem:background_responses_running", "Background responses (the Responses "
+                                 "API's background: true) still running", registry=r)
         self.replica_up = Gauge("tandem:replica_up", "1 when this replica answers", ["replica", "service"],
                                 registry=r)
         self.replica_running = Gauge("tandem:replica_num_requests_running", "Sequences pinned to a target replica",

@@ -26,6 +26,7 @@ def test_a_draining_router_refuses_new_requests_with_the_reason_and_finishes_the
             router.loop.call_soon_threadsafe(engine.drain)
             assert wait_until(lambda: engine.draining)
             ready = httpx.get(f"{router.url}/ready", timeout=10)
+            draining = httpx.get(f"{router.url}/metrics", timeout=10).text
             health = httpx.get(f"{router.url}/health", timeout=10)
             new = httpx.post(f"{router.url}/v1/completions", timeout=10,
                              json={"model": "tiny", "prompt": prompt, "max_tokens": 4})
@@ -36,6 +37,7 @@ def test_a_draining_router_refuses_new_requests_with_the_reason_and_finishes_the
             done = running.result(timeout=120)
     assert ready.status_code == 503 and "shutting down" in ready.json()["error"]["message"]
     assert health.status_code == 200, "liveness holds while draining: the kubelet must not kill a drain"
+    assert "\ntandem:router_draining 1.0" in draining
     assert new.status_code == 503 and "shutting down" in new.json()["error"]["message"]
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
     assert done["choices"][0]["token_ids"] == hf_greedy(model_pair[0], prompt, 120)

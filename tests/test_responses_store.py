@@ -133,6 +133,7 @@ def test_a_background_response_cancelled_stops_and_frees_its_kv(stack):
     client, url, engine = stack["client"], stack["router"].url, stack["router"].server.engine
     long = {"temperature": 0, "max_output_tokens": 400, "extra_body": {"ignore_eos": True}}
     running = client.responses.create(model="tiny", input="Tell me everything", background=True, **long)
+    assert "\ntandem:background_responses_running 1.0" in httpx.get(f"{url}/metrics").text
     r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "Next", "previous_response_id": running.id})
     assert r.status_code == 400 and "still in progress" in r.json()["error"]["message"], r.text
     cancelled = client.responses.cancel(running.id)

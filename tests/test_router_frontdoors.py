@@ -453,7 +453,7 @@ DOCUMENTED = ["tandem:time_to_first_token_seconds", "tandem:inter_token_latency_
               "tandem:spec_decode_num_accepted_tokens", "tandem:spec_decode_num_accepted_tokens_per_pos",
               "tandem:pipeline_hits", "tandem:draft_fallbacks", "tandem:kv_cache_usage_perc",
               "tandem:num_requests_waiting", "tandem:num_requests_running", "tandem:step_time_seconds",
-              "tandem:http_requests"]
+              "tandem:http_requests", "tandem:router_draining", "tandem:background_responses_running"]
 
 
 def test_metrics_expose_documented_names_with_consistent_values(stack):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Gauge
 
 from common.logs import bind
 from router.core import Delta, RequestError
@@ -47,9 +48,12 @@ class _Run:
 
 
 class BackgroundResponses:
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, running: Gauge | None = None) -> None:
+        """running: the gauge of how many run (tandem:background_responses_running)."""
         self.store = store
         self._running: dict[str, _Run] = {}
+        if running is not None:
+            running.set_function(lambda: len(self._running))
         self._finished: OrderedDict[str, _Run] = OrderedDict()  # streamed ones, still followable
 
     def start(self, stream: RequestStream, fmt: ResponsesFormat, streamed: bool) -> dict:

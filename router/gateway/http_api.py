@@ -54,7 +54,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
 
     app.add_middleware(HTTPCounts, counter=engine.metrics.http_requests)
     stored = ResponseStore(engine.config.max_stored_responses)
-    background = BackgroundResponses(stored)
+    background = BackgroundResponses(stored, engine.metrics.background)
     served = (model_name, *aliases)
 
     @app.exception_handler(Exception)
