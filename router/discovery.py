@@ -63,7 +63,8 @@ def ready_addresses(slices: Iterable, port: int) -> list[str]:
 
 class KubernetesDiscovery(Discovery):
     """Watches discovery.k8s.io/v1 EndpointSlices labelled kubernetes.io/service-name=SERVICE
-    (the router's Role allows get/list/watch on them) from a background thread."""
+    (the router's Role allows get/list/watch on them) from a background thread, started by the first
+    addresses() call (parsing a flag starts nothing)."""
 
     dynamic = True
 
@@ -73,10 +74,12 @@ class KubernetesDiscovery(Discovery):
         self._slices: dict[str, object] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True, name=f"k8s-watch-{service}")
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     async def addresses(self) -> list[str]:
+        if self._thread is None:  # the watch starts with the first question, not when the flag is parsed
+            self._thread = threading.Thread(target=self._watch, daemon=True, name=f"k8s-watch-{self.service}")
+            self._thread.start()
         with self._lock:
             return ready_addresses(list(self._slices.values()), self.port)
 
