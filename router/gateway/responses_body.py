@@ -13,8 +13,8 @@
     previous_response_id          the stored conversation's items first (router.gateway.responses_store)
 
 `conversation` objects are a 400 (continue with previous_response_id, or send the history as input
-items). Anything else Tandem does not do (built-in tools, images, background) is a 400 naming the
-field, never ignored.
+items). Anything else Tandem does not do (built-in tools, images, a background response not stored)
+is a 400 naming the field, never ignored. Background responses: router.gateway.background.
 """
 
 from __future__ import annotations
