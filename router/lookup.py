@@ -44,6 +44,13 @@ class PromptLookup:
         self._followed = 0  # where in the prediction the last proposal from it continued
         self.from_prediction = False  # the latest offer came from the prediction
 
+    def anew(self) -> PromptLookup:
+        """A fresh lookup made as this one was (its prediction, whether it looks in the history), with
+        an index of its own; the prediction's n-grams are shared (they never change)."""
+        fresh = PromptLookup(self.n_min, self.n_max, start=self.start, history=self.history)
+        fresh.prediction, fresh._predicted = self.prediction, self._predicted
+        return fresh
+
     def propose(self, history: Seq[int], k: int, end: int | None = None) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of the history's suffix (the history:
         history[:end], all of it by default; `end` never decreases between calls). A history only grows, so
@@ -112,8 +119,8 @@ class LookupShadow:
     later, so drafting was credited with steps lookup alone would not have needed."""
 
     def __init__(self, k: int, start: int, lookup: PromptLookup | None = None) -> None:
-        """lookup: a fresh PromptLookup as the sequence's own was made (its prediction, whether it looks
-        in the history), with its own index: the sequence's has n-grams past `pos`."""
+        """lookup: a fresh one made as the sequence's own was (PromptLookup.anew), with its own index:
+        the sequence's has n-grams past `pos`."""
         assert k >= 1 and start >= 0
         self.k = k
         self.pos = start  # the replay has emitted the text up to here

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from router.lookup import LookupShadow, PromptLookup
+from router.lookup import LookupShadow
 from router.metrics import Metrics
 from router.scheduler import StepPlan
 from router.speculator import Speculator
@@ -67,8 +67,6 @@ class StepRecorder:
         k, steps = max(1, self.spec.k_max), 0
         for (seq, _), res in zip(plan.decodes, response.results, strict=False):
             if seq.lookup_shadow is None:  # its first decode: the replay starts where this step's tokens do
-                own = PromptLookup(prediction=seq.request.prediction, start=seq.num_prompt,
-                                   history=self.spec.config.prompt_lookup)
-                seq.lookup_shadow = LookupShadow(k, max(0, len(seq.tokens) - len(res.tokens)), own)
+                seq.lookup_shadow = LookupShadow(k, max(0, len(seq.tokens) - len(res.tokens)), seq.lookup.anew())
             steps += seq.lookup_shadow.advance(seq.tokens, seq.finished)
         return steps / len(plan.decodes)

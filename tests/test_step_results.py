@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from router.core import GREEDY, Request
+from router.lookup import PromptLookup
 from router.metrics import Metrics
 from router.scheduler import Chunk, StepPlan
 from router.sequence import Sequence
@@ -189,7 +190,7 @@ def test_a_predicted_output_is_replayed_with_its_prediction():
     recorder = StepRecorder(spec, metrics, "r0")
     output = [20, 21, 22, 23, 24]
     seq = Sequence(1, Request(request_id="r1", prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=64,
-                              prediction=tuple(output)))
+                              prediction=tuple(output)), lookup=PromptLookup(prediction=output, start=3))
     seq.tokens, seq.num_prompt = [1, 2, 3], 3
     plan = StepPlan(decodes=[(seq, 4)])
     seq.tokens += output
