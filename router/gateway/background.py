@@ -76,10 +76,10 @@ class BackgroundResponses:
                 await self._add(run, fmt.opening())
             async for delta in run.stream:
                 if delta.error is not None:
-                    message = public_error(delta.error)[1]["error"]["message"]
-                    keep(fmt.failed(message))
+                    body = public_error(delta.error)[1]
+                    keep(fmt.failed(body["error"]["message"]))
                     if run.events is not None:
-                        await self._add(run, [fmt.error_event(public_error(delta.error)[1])])
+                        await self._add(run, [fmt.error_event(body)])
                     return
                 if not deltas:
                     keep(fmt.pending("in_progress"))
