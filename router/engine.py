@@ -124,10 +124,6 @@ class RouterEngine:
         return "" if model in served else model if model in self.lora_adapters else None
 
     @property
-    def ready(self) -> bool:
-        return self.unready is None
-
-    @property
     def unready(self) -> str | None:
         """Why a new request is refused now; None: it is taken."""
         if self.draining:
