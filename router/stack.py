@@ -4,6 +4,7 @@ Also the free loopback ports they take."""
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import os
 import signal
@@ -192,13 +193,9 @@ class Stack:
     @property
     def router_drain_s(self) -> float:
         """How long the router may drain on SIGTERM (its --shutdown-timeout) and write its last streams."""
-        drain = RouterConfig.shutdown_timeout_s
-        for i, arg in enumerate(self.router_args):
-            if arg.startswith("--shutdown-timeout="):
-                drain = float(arg.partition("=")[2])
-            elif arg == "--shutdown-timeout" and i + 1 < len(self.router_args):
-                drain = float(self.router_args[i + 1])
-        return drain + FLUSH_S
+        flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        flag.add_argument("--shutdown-timeout", type=float, default=RouterConfig.shutdown_timeout_s)
+        return flag.parse_known_args(self.router_args)[0].shutdown_timeout + FLUSH_S
 
     def stop(self, timeout: float = 20.0, signalled: bool = False) -> dict[str, int]:
         """SIGTERM in order (router, then services); SIGKILL what is still alive after timeout (the
