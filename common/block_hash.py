@@ -7,7 +7,9 @@ exactly those tokens at exactly those positions.
     tokens:  t0..t15 | t16..t31 | t32..t40        (block size 16)
     hashes:  h0 = H(ROOT, t0..t15)
              h1 = H(h0, t16..t31)                  the partial block has no hash
-Hashes depend on the block size, so the router computes them per service geometry.
+Hashes depend on the block size, so the router computes them per service geometry. ROOT itself is
+replaced by another root for a LoRA adapter (adapter_root) and for a request's cache salt
+(salted_root): blocks of the same tokens then hash apart, and no sequence can attach another's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,24 @@ def adapter_root(adapter: str, weights: str = "") -> int:
         return ROOT
     key = b"lora\0" + adapter.encode() + b"\0" + weights.encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+def salt_digest(salt: str, tenant: bytes = b"") -> int:
+    """The 64-bit form of a request's cache_salt (vLLM's) and its tenant (an API key's digest, or b"")
+    sent to the services: neither leaves the router. 0 (no salt) only for neither; a digest of 0 is 1."""
+    if not salt and not tenant:
+        return 0
+    key = b"salt\0" + len(tenant).to_bytes(2, "little") + tenant + salt.encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") or 1
+
+
+def salted_root(root: int, salt: int) -> int:
+    """The parent of a salted sequence's first block: its blocks hash apart from everyone else's, so
+    only requests with the same salt (and the same adapter) can attach them. salt 0: root unchanged."""
+    if not salt:
+        return root
+    return int.from_bytes(hashlib.blake2b(struct.pack("<QQ", root, salt), digest_size=8,
+                                          person=b"tandem-salt").digest(), "little")
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:

@@ -30,6 +30,7 @@ class DraftRequest:
     prompt_len: int = 0
     fork_of: int = 0  # n choices: start as a fork of this sequence's first start_pos tokens
     prefix: Sequence[int] = ()  # hashes of published blocks to start from (start_pos = their length)
+    salt: int = 0  # its cache salt (common/block_hash.salt_digest); 0: none
 
     @property
     def end(self) -> int:

@@ -146,7 +146,7 @@ class Proposer:
         for c in chunks:
             if (state := self.constraints.states.get(c.seq_id)) is not None:
                 self.constraints.begin(c.seq_id, c.start_pos, c.tokens, state.processors, "", state.prompt_len)
-        self.runner.forward([SeqInput(c.seq_id, c.start_pos, c.tokens, num_logits=0, prefix=c.prefix)
+        self.runner.forward([SeqInput(c.seq_id, c.start_pos, c.tokens, num_logits=0, prefix=c.prefix, salt=c.salt)
                              for c in chunks])
         for c in chunks:
             self.runner.commit(c.seq_id, c.start_pos + len(c.tokens))
@@ -165,7 +165,8 @@ class Proposer:
             self.constraints.begin(q.seq_id, q.start_pos, q.tokens, q.processors, q.grammar, q.prompt_len)
         results = [DraftResult(q.seq_id) for q in requests]
         wanted = [(q.num_verifying + 1 if q.branches else 1) if q.k else 0 for q in requests]
-        logits = self.runner.forward([SeqInput(q.seq_id, q.start_pos, q.tokens, num_logits=n, prefix=q.prefix)
+        logits = self.runner.forward([SeqInput(q.seq_id, q.start_pos, q.tokens, num_logits=n, prefix=q.prefix,
+                                               salt=q.salt)
                                       for q, n in zip(requests, wanted, strict=True)], narrow=True)
         for q in requests:
             self.runner.commit(q.seq_id, q.end - q.num_verifying)

@@ -87,8 +87,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     # ---- on the model thread -----------------------------------------------------------------
     def _sync(self, request: draft_pb2.SyncRequest, deadline: float | None) -> draft_pb2.SyncResponse:
         still_wanted(deadline)
-        chunks = [SeqInput(c.seq_id, c.start_pos, list(c.tokens), num_logits=0, prefix=list(c.prefix_block_hashes))
-                  for c in request.chunks]
+        chunks = [SeqInput(c.seq_id, c.start_pos, list(c.tokens), num_logits=0, prefix=list(c.prefix_block_hashes),
+                           salt=c.cache_salt) for c in request.chunks]
         cached = self.proposer.sync(chunks)
         return draft_pb2.SyncResponse(cached_len=cached, free_blocks=self.worker.runner.blocks.num_free)
 
@@ -101,7 +101,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                                   e, f"entries[{n}].sampling")
             requests.append(DraftRequest(e.seq_id, e.start_pos, list(e.tokens), e.k, spec, e.num_verifying,
                                          [BranchSpec(b.accepted, b.rank) for b in e.branches], processors, e.grammar,
-                                         e.prompt_len, e.fork_of, list(e.prefix_block_hashes)))
+                                         e.prompt_len, e.fork_of, list(e.prefix_block_hashes), e.cache_salt))
         out = self.proposer.propose(requests, stop_at)
         return draft_pb2.ProposeResponse(
             proposals=[

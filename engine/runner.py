@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.block_hash import ROOT
+from common.block_hash import ROOT, salted_root
 from engine.attention import BatchLayout
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import GraphRunner
@@ -42,6 +42,7 @@ class SeqInput:
     num_logits: int = 1  # logits for the last num_logits tokens (0: none, a non-final prompt chunk)
     prefix: Sequence[int] = ()  # hashes of published blocks to start from (start_pos = their length)
     adapter: str = ""  # the LoRA adapter its tokens run with (load_adapters); "": the base model
+    salt: int = 0  # its cache salt (common/block_hash.salt_digest); 0: none
 
 
 class CacheMiss(LookupError):
@@ -228,8 +229,9 @@ class ModelRunner:
         for x in inputs:
             if x.prefix:
                 self.prefix.attach(x.seq_id, x.prefix)
-            if self.adapters:
-                self.prefix.set_root(x.seq_id, self.adapters[x.adapter].root if x.adapter else ROOT)
+            root = salted_root(self.adapters[x.adapter].root if x.adapter else ROOT, x.salt)
+            if root != ROOT:  # a sequence keeps its root for life; the draft's own rounds send none
+                self.prefix.set_root(x.seq_id, root)
         for x in inputs:
             self.trim(x.seq_id, x.start_pos)
         for x in inputs:

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.reload import POLL_S, FileSet
+from router.core import TENANT
 
 log = logging.getLogger(__name__)
 ANONYMOUS = b"anonymous"
@@ -126,6 +127,7 @@ class Admission:
     message: str = ""
     retry_after: int = 0
     _release: Callable[[], None] | None = None
+    tenant: bytes = b""  # with --cache-salt-per-key: the key's digest, whose own prefix cache it uses
 
     @property
     def ok(self) -> bool:
@@ -140,8 +142,10 @@ class Admission:
 class Guard:
     """Keys and limits for both doors (one event loop: no locks needed)."""
 
-    def __init__(self, keys: ApiKeys | None, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
-        self.keys, self.limits, self.clock = keys, limits, clock
+    def __init__(self, keys: ApiKeys | None, limits: Limits, clock: Callable[[], float] = time.monotonic,
+                 salt_per_key: bool = False) -> None:
+        assert keys is not None or not salt_per_key, "a prefix cache per key needs keys"
+        self.keys, self.limits, self.clock, self.salt_per_key = keys, limits, clock, salt_per_key
         self._buckets: dict[bytes, TokenBucket] = {}
         self._in_flight: dict[bytes, int] = {}
 
@@ -168,7 +172,7 @@ class Guard:
                 return Admission(429, f"rate limit exceeded ({lim.rate_rps:g} requests/s per key)",
                                  max(1, math.ceil(wait)))
         self._in_flight[client] = self._in_flight.get(client, 0) + 1
-        return Admission(_release=lambda: self._done(client))
+        return Admission(_release=lambda: self._done(client), tenant=client if self.salt_per_key else b"")
 
     def _done(self, client: bytes) -> None:
         left = self._in_flight[client] - 1
@@ -197,9 +201,11 @@ class HTTPGuard:
         if not admission.ok:
             await _refusal(admission, anthropic=scope["path"].startswith("/v1/messages"))(scope, receive, send)
             return
+        tenant = TENANT.set(admission.tenant)
         try:
             await self.app(scope, receive, send)
         finally:
+            TENANT.reset(tenant)
             admission.release()
 
 
@@ -247,10 +253,12 @@ def _guarded(handler: grpc.RpcMethodHandler, guard: Guard, authorization: str | 
 
         async def unary_stream(request, context):  # noqa: ANN001, ANN202
             a = await admit(context)
+            tenant = TENANT.set(a.tenant)
             try:
                 async for response in inner_stream(request, context):
                     yield response
             finally:
+                TENANT.reset(tenant)
                 a.release()
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
@@ -260,9 +268,11 @@ def _guarded(handler: grpc.RpcMethodHandler, guard: Guard, authorization: str | 
 
         async def unary_unary(request, context):  # noqa: ANN001, ANN202
             a = await admit(context)
+            tenant = TENANT.set(a.tenant)
             try:
                 return await inner_unary(request, context)
             finally:
+                TENANT.reset(tenant)
                 a.release()
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,

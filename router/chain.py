@@ -99,7 +99,8 @@ def chained_entries(seqs: list[Sequence], verifying: list[list[int]], ks: list[i
             return None
         entries.append(target_pb2.StepEntry(
             seq_id=seq.seq_id, emit=True, chained=True, alternatives=alts[-1], sampling=seq.request.sampling_proto,
-            logprobs=logprobs_wanted(seq), prompt_len=seq.num_prompt, lora=seq.request.lora))
+            logprobs=logprobs_wanted(seq), prompt_len=seq.num_prompt, lora=seq.request.lora,
+            cache_salt=seq.request.salt))
     return entries, alts
 
 

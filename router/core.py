@@ -5,11 +5,12 @@ the router knows about one request) is router.sequence's."""
 from __future__ import annotations
 
 import enum
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from common.block_hash import ROOT
+from common.block_hash import ROOT, salt_digest
 from common.sampling import InvalidField, SamplingParams
 from tandem.v1 import common_pb2
 
@@ -17,6 +18,10 @@ if TYPE_CHECKING:
     from router.structured import Constraint
 
 RequestError = InvalidField  # bad input: HTTP 400 / gRPC INVALID_ARGUMENT, naming the field
+# Whose prefix cache a request being admitted uses: with --cache-salt-per-key, its API key's digest, set
+# by the doors' guard (router.auth) for the call it lets in; RouterEngine.submit reads it, as it reads
+# the caller's trace context. b"": the cache everybody shares.
+TENANT: ContextVar[bytes] = ContextVar("tandem_tenant", default=b"")
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -52,7 +57,9 @@ class Request:
     n: int = 1  # choices: n sequences from one prompt, computed once
     priority: int = 0  # with --scheduling-policy priority: lower is served first (vLLM's convention)
     lora: str = ""  # the LoRA adapter the target runs it with (a model name /v1/models lists); "": the base
-    block_root: int = ROOT  # set by RouterEngine.submit: where its target block hashes start (its adapter's root)
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share cached prompt blocks; "": none
+    tenant: bytes = b""  # set by RouterEngine.submit (TENANT): a key's own prefix cache; b"": the shared one
+    block_root: int = ROOT  # set by RouterEngine.submit: where its target block hashes start (adapter, salt)
     constraint: Constraint | None = None  # structured output, as the door read it
     grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)
     # A reasoning model's think-end token: the constraint holds from the token after it (the model
@@ -65,6 +72,11 @@ class Request:
     def sampling_proto(self) -> common_pb2.SamplingParams:
         """The wire form, built once: every step of the request sends it."""
         return self.sampling.to_proto(held_back=() if self.ignore_eos else self.eos_ids)
+
+    @cached_property
+    def salt(self) -> int:
+        """The cache salt the services get (a digest: the string and the tenant stay in the router)."""
+        return salt_digest(self.cache_salt, self.tenant)
 
     @property
     def reproducible(self) -> bool:

@@ -78,7 +78,7 @@ class DraftWork:
             # a grammar that waits for the thinking to end stays with the router (which cuts the drafts it refuses)
             grammar=seq.request.grammar if start == 0 and seq.request.grammar_opens_after is None else "",
             fork_of=fork_of,
-            prefix_block_hashes=attach))
+            prefix_block_hashes=attach, cache_salt=seq.request.salt))
         if k:
             seq.asked_at = len(base) - v  # the outcome of the verification in flight (speculator.miss_kind)
         self.seqs.append(seq)

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from opentelemetry.context import Context
 
+from common.block_hash import salt_digest, salted_root
 from common.sampling import SamplingParams
 from common.tokenizer import tokenizer_fingerprint
 from router.codec import TextCodec
 from router.config import RouterConfig
-from router.core import Delta, FinishReason, Overloaded, Request, SeqStatus, ServiceUnavailable, TokenLogprob
+from router.core import TENANT, Delta, FinishReason, Overloaded, Request, SeqStatus, ServiceUnavailable, TokenLogprob
 from router.discovery import parse_spec
 from router.lanes import Lane, choose_lane
 from router.lookup import PromptLookup
@@ -213,7 +214,9 @@ class RouterEngine:
         assert lane.loop is not None, "a lane is listed once its loop runs"
         eos = tuple(self.target_info.eos_token_ids) if self.target_info else ()
         grammar = self.grammars.compile(req.constraint) if req.constraint is not None else ""
-        req = dataclasses.replace(req, eos_ids=eos, grammar=grammar, block_root=self.replicas.adapters.root(req.lora))
+        tenant = TENANT.get()
+        root = salted_root(self.replicas.adapters.root(req.lora), salt_digest(req.cache_salt, tenant))
+        req = dataclasses.replace(req, eos_ids=eos, grammar=grammar, tenant=tenant, block_root=root)
         seqs: list[Sequence] = []
         for i in range(req.n):  # one lane for all: the siblings fork the first one's prompt there
             choice = req if i == 0 else dataclasses.replace(req, sampling=req.sampling.for_choice(i))

@@ -60,7 +60,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             ignore_eos=msg.ignore_eos, tandem_metrics=msg.tandem_metrics, constraint=_constraint(msg),
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             include_stop_str_in_output=msg.include_stop_str_in_output, priority=msg.priority, lora=lora,
-            bad_words=tuple(msg.bad_words),
+            bad_words=tuple(msg.bad_words), cache_salt=msg.cache_salt,
             prediction=tuple(msg.prediction_token_ids) or (tuple(await self.engine.codec.encode(
                 msg.prediction, self.engine.max_model_len, "prediction", plain=True)) if msg.prediction else ()),
         )

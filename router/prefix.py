@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.block_hash import ROOT
+from common.block_hash import ROOT, salted_root
 from router.prefix_mirror import Attach, PrefixMirror
 from router.sequence import Sequence
 
@@ -152,4 +152,5 @@ class PrefixCaches:
 
 def _chain(seq: Sequence, mirror: PrefixMirror) -> list[int]:
     """seq's block hashes as mirror's service computes them (the draft serves the base model for all)."""
-    return seq.prefix.chain(seq.tokens, mirror.block_size, seq.request.block_root if mirror.adapted else ROOT)
+    root = seq.request.block_root if mirror.adapted else salted_root(ROOT, seq.request.salt)
+    return seq.prefix.chain(seq.tokens, mirror.block_size, root)

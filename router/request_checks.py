@@ -6,6 +6,7 @@ from common.protocol import MAX_LOGPROBS
 from router.core import Request, RequestError
 
 MAX_CHOICES = 16  # n per request
+MAX_CACHE_SALT = 256  # characters: room for any secret worth the name (vLLM suggests 43, 256 bits in base64)
 
 
 def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapters: list[str],
@@ -32,6 +33,8 @@ def check_request(req: Request, vocab_size: int, limit: int, policy: str, adapte
     if req.priority and policy != "priority":
         raise RequestError("priority", "the router serves first come, first served (start it with "
                                        "--scheduling-policy priority)")
+    if len(req.cache_salt) > MAX_CACHE_SALT:
+        raise RequestError("cache_salt", f"at most {MAX_CACHE_SALT} characters")
     if any(not s for s in req.stop):
         raise RequestError("stop", "stop strings must not be empty")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:

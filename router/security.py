@@ -42,9 +42,17 @@ class RouterSecurity:
     draft_server_name: str = ""
     public: Certificates | None = None  # TLS on the HTTP and gRPC doors; None: plaintext
     cors: CORS | None = None  # None: no CORS headers, browsers keep other origins' pages out
+    salt_per_key: bool = False  # each key its own prefix cache (requests carry its digest as their tenant)
+
+    def __post_init__(self) -> None:
+        if self.salt_per_key and self.keys is None:
+            raise ValueError("--cache-salt-per-key keeps each API key's prefix cache apart: it needs keys "
+                             "(--api-key or --api-key-file)")
 
     def guard(self) -> Guard | None:
-        return Guard(self.keys, self.limits) if self.keys is not None or self.limits.any else None
+        if self.keys is None and not self.limits.any:
+            return None
+        return Guard(self.keys, self.limits, salt_per_key=self.salt_per_key)
 
     def apply(self, config: RouterConfig) -> RouterConfig:
         """config with the clients' TLS settings."""
@@ -56,6 +64,7 @@ class RouterSecurity:
     def describe(self) -> str:
         """For the start-up log: what is on, never a key."""
         keys = f"{len(self.keys)} API keys" if self.keys is not None else "no API key"
+        keys += " (a prefix cache per key)" if self.salt_per_key else ""
         lim = self.limits
         limits = ", ".join(part for part in (
             f"{lim.rate_rps:g} req/s (burst {lim.burst or max(1.0, lim.rate_rps):g})" if lim.rate_rps else "",
@@ -78,6 +87,12 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
     keys.add_argument("--api-key-file", type=Path, default=None,
                       help="accept the keys in this file, one per line (# comments); re-read when it changes")
     keys.add_argument("--metrics-require-key", action="store_true", help="/metrics needs a key too")
+    keys.add_argument("--cache-salt-per-key", action="store_true",
+                      help="keep each key's prefix cache apart: requests of one key share cached prompt blocks, "
+                           "requests of different keys never do, so no client can time another's prompts (its "
+                           "time to first token would tell a cached prompt); a request's own cache_salt divides "
+                           "its key's cache further. Costs the hits keys would share (a common system prompt is "
+                           "computed once per key). Default: one cache for all, as vLLM")
     keys.add_argument("--rate-limit-rps", type=float, default=0.0,
                       help="requests per second per key, a token bucket (0: no limit)")
     keys.add_argument("--rate-limit-burst", type=int, default=0,
@@ -125,6 +140,7 @@ def security_from_args(args: argparse.Namespace) -> RouterSecurity:
                 args.allow_credentials) if origins else None
     return RouterSecurity(
         keys=keys, limits=limits, metrics_require_key=args.metrics_require_key, cors=cors,
+        salt_per_key=args.cache_salt_per_key,
         upstream=Certificates(upstream_files) if upstream_files else None,
         target_server_name=args.target_tls_server_name, draft_server_name=args.draft_tls_server_name,
         public=Certificates(public_files) if public_files else None)

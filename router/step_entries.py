@@ -32,13 +32,13 @@ def step_entries(plan: StepPlan, matched: dict[int, Proposal],
             seq_id=seq.seq_id, start_pos=n - 1, tokens=[seq.tokens[-1], *drafts], emit=True,
             num_draft_tokens=len(drafts), draft_probs=[] if greedy else probs[:len(drafts)],
             sampling=seq.request.sampling_proto, logprobs=logprobs_wanted(seq), token_masks=masks,
-            prompt_len=seq.num_prompt, lora=seq.request.lora))
+            prompt_len=seq.num_prompt, lora=seq.request.lora, cache_salt=seq.request.salt))
         sent.append(drafts)
     for c in plan.chunks:
         entry = target_pb2.StepEntry(
             seq_id=c.seq.seq_id, start_pos=c.start, tokens=c.seq.tokens[c.start:c.end], emit=c.emit,
             sampling=c.seq.request.sampling_proto, logprobs=logprobs_wanted(c.seq), prompt_len=c.seq.num_prompt,
-            prefix_block_hashes=c.attach, lora=c.seq.request.lora,
+            prefix_block_hashes=c.attach, lora=c.seq.request.lora, cache_salt=c.seq.request.salt,
             token_masks=c.seq.grammar.masks([])[1] if c.emit and c.seq.grammar is not None else [])
         if scores_prompt(c.seq):
             entry.prompt_logprobs = c.seq.request.prompt_logprobs  # type: ignore[assignment]
@@ -52,7 +52,8 @@ def step_entries(plan: StepPlan, matched: dict[int, Proposal],
         entries.append(target_pb2.StepEntry(
             seq_id=s.seq_id, start_pos=s.num_prompt, emit=True, fork_of=s.fork_parent.seq_id,  # type: ignore[union-attr]
             sampling=s.request.sampling_proto, logprobs=logprobs_wanted(s), prompt_len=s.num_prompt,
-            lora=s.request.lora, token_masks=s.grammar.masks([])[1] if s.grammar is not None else []))
+            lora=s.request.lora, cache_salt=s.request.salt,
+            token_masks=s.grammar.masks([])[1] if s.grammar is not None else []))
     metrics.grammar_mask_bytes.inc(sum(len(m) for e in entries for m in e.token_masks))
     return entries, sent
 

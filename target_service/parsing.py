@@ -93,7 +93,8 @@ class StepParser:
             raise InvalidInput(f"{where}.logprobs", f"must be -1 (none) or in [0, {MAX_LOGPROBS}], got {e.logprobs}")
         prompt_top, targets = self._prompt_logprobs(e, tokens, k, where)
         seq = SeqInput(e.seq_id, e.start_pos, tokens, num_logits=len(tokens) if prompt_top >= 0 else
-                       k + 1 if e.emit else 0, prefix=list(e.prefix_block_hashes), adapter=e.lora)
+                       k + 1 if e.emit else 0, prefix=list(e.prefix_block_hashes), adapter=e.lora,
+                       salt=e.cache_salt)
         sampling = self._sampling(e, where)
         if e.token_masks and (not e.emit or len(e.token_masks) != k + 1):
             raise InvalidInput(f"{where}.token_masks", f"{len(e.token_masks)} masks: an emitting entry needs one per "

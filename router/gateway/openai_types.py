@@ -89,6 +89,7 @@ class _Common(OpenAIBody):
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens in the output text
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended it stays in the text
     priority: StrictInt = 0  # vLLM's: with --scheduling-policy priority, lower is served first
+    cache_salt: StrictStr | None = None  # vLLM's: only requests with this salt share its cached prompt blocks
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's: keep the prompt's last k tokens (-1: what fits)
     tandem_metrics: StrictBool = False  # extension: usage.tandem_metrics, this request's figures (request_stats)
     presence_penalty: StrictFloat | StrictInt | None = None
@@ -139,6 +140,8 @@ class _Common(OpenAIBody):
                                     min_tokens=self.min_tokens,
                                     stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
                                     allowed_token_ids=self._allowed(), thinking_token_budget=self.thinking_token_budget)
+        if self.cache_salt is not None and not self.cache_salt:
+            raise RequestError("cache_salt", "must be a non-empty string if given (as vLLM)")
         if self.prompt_logprobs is not None and self.stream:
             raise RequestError("prompt_logprobs", "not with stream (as vLLM): ask without streaming")
         constraint = Constraint.from_openai(self.response_format, self.structured_outputs, {
@@ -149,7 +152,8 @@ class _Common(OpenAIBody):
                        ignore_eos=self.ignore_eos, tandem_metrics=self.tandem_metrics, n=self.n,
                        constraint=constraint, skip_special_tokens=self.skip_special_tokens,
                        include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
-                       bad_words=tuple(self.bad_words or ()), prompt_logprobs=self.prompt_logprobs)
+                       bad_words=tuple(self.bad_words or ()), prompt_logprobs=self.prompt_logprobs,
+                       cache_salt=self.cache_salt or "")
 
     def _bias(self) -> tuple[tuple[int, float], ...] | None:
         if not self.logit_bias:

@@ -51,6 +51,7 @@ class ResponsesBody(OpenAIBody):
     min_p: StrictFloat | StrictInt | None = None
     seed: StrictInt | None = None
     ignore_eos: StrictBool = False
+    cache_salt: StrictStr | None = None
 
     include_usage: ClassVar[bool] = False  # the usage is in response.completed, always
     continuous_usage: ClassVar[bool] = False
@@ -77,7 +78,8 @@ class ResponsesBody(OpenAIBody):
             _messages([*(history or []), *self.input_items()], first=-len(history or []))
         fields = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
                   "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                  "seed": self.seed, "ignore_eos": self.ignore_eos, "parallel_tool_calls": self.parallel_tool_calls,
+                  "seed": self.seed, "ignore_eos": self.ignore_eos, "cache_salt": self.cache_salt,
+                  "parallel_tool_calls": self.parallel_tool_calls,
                   "tools": [_tool(t, i) for i, t in enumerate(self.tools)] if self.tools else None,
                   "tool_choice": _tool_choice(self.tool_choice), "response_format": _format(self.text)}
         if self.top_logprobs is not None:
