@@ -6,6 +6,7 @@ default, and says so in --help. An explicit flag still wins over the environment
 
     tandem serve MODEL_DIR [--draft DIR]   target + draft + router on loopback (router.launch)
     tandem target|draft|router ...         one of them (the same flags as python -m <service>)
+    tandem batch -i IN.jsonl -o OUT.jsonl  OpenAI's Batch format through a router (router.batch)
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ _COMMANDS = {
     "target": ("target_service.__main__", "the target-model gRPC service"),
     "draft": ("draft_service.__main__", "the draft-model gRPC service"),
     "router": ("router.__main__", "the router: scheduler, HTTP (OpenAI) and gRPC front doors"),
+    "batch": ("router.batch", "requests in OpenAI's Batch format through a router: tandem batch -i IN -o OUT"),
 }
 
 
