@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -57,8 +57,10 @@ class Request:
     n: int = 1  # choices: n sequences from one prompt, computed once
     priority: int = 0  # with --scheduling-policy priority: lower is served first (vLLM's convention)
     lora: str = ""  # the LoRA adapter the target runs it with (a model name /v1/models lists); "": the base
-    cache_salt: str = ""  # vLLM's: only requests with the same salt share cached prompt blocks; "": none
-    tenant: bytes = b""  # set by RouterEngine.submit (TENANT): a key's own prefix cache; b"": the shared one
+    # vLLM's cache_salt: only requests with the same salt share cached prompt blocks; "": none. Secrets
+    # (a client's salt, a key's digest), so never in a repr or a log line.
+    cache_salt: str = field(default="", repr=False)
+    tenant: bytes = field(default=b"", repr=False)  # set by RouterEngine.submit (TENANT): a key's own cache
     block_root: int = ROOT  # set by RouterEngine.submit: where its target block hashes start (adapter, salt)
     constraint: Constraint | None = None  # structured output, as the door read it
     grammar: str = ""  # ... compiled by RouterEngine.submit (llguidance's serialized grammar)

@@ -16,6 +16,7 @@ from engine import SeqInput
 from router.__main__ import build_parser
 from router.auth import ApiKeys
 from router.config import RouterConfig
+from router.core import GREEDY, Request
 from router.security import RouterSecurity, security_from_args
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 from tests.conftest import hf_greedy
@@ -31,6 +32,12 @@ def test_a_salt_moves_the_root_and_no_salt_leaves_it():
     assert a and b and a != b and salt_digest("alice-secret") == a, "stable, and apart per salt"
     roots = {ROOT, salted_root(ROOT, a), salted_root(ROOT, b), adapter_root("sql"), salted_root(adapter_root("sql"), a)}
     assert len(roots) == 5, "every (adapter, salt) pair hashes from its own root"
+
+
+def test_a_salt_and_a_tenant_never_show_in_a_requests_repr():
+    req = Request("r", [5], GREEDY, cache_salt="alice-secret", tenant=b"key-digest")
+    assert "alice-secret" not in repr(req) and "key-digest" not in repr(req)
+    assert req.salt == salt_digest("alice-secret", b"key-digest") != salt_digest("alice-secret")
 
 
 # ---- one service's cache -----------------------------------------------------------------------------
