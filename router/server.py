@@ -34,6 +34,7 @@ from router.auth import GrpcGuard, HTTPGuard
 from router.config import FLUSH_S, RouterConfig
 from router.engine import RouterEngine
 from router.gateway.http_api import create_app
+from router.gateway.request_ids import RequestIds
 from router.security import RouterSecurity
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,11 @@ class RouterServer:
         app = create_app(self.engine, e.model_name, e.model_aliases)
         if guard is not None:
             app.add_middleware(HTTPGuard, guard=guard, metrics=sec.metrics_require_key)
+        app.add_middleware(RequestIds)  # outside the guard: its refusals carry the id too
         if sec.cors is not None:  # added last, so outermost: preflights and refusals get its headers too
             app.add_middleware(CORSMiddleware, allow_origins=list(sec.cors.origins),
                                allow_methods=list(sec.cors.methods), allow_headers=list(sec.cors.headers),
-                               allow_credentials=sec.cors.credentials)
+                               allow_credentials=sec.cors.credentials, expose_headers=["x-request-id"])
         https = uvicorn_ssl(sec.public.files) if sec.public is not None else {}
         # keep-alive longer than clients' and load balancers' idle timeouts (60 s is common): a
         # server that closes an idle connection first races with the client's next request on it

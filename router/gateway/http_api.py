@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import importlib.metadata
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +40,7 @@ from router.gateway.messages_format import MessagesFormat, anthropic_error
 from router.gateway.openai_format import ChatFormat, CompletionFormat
 from router.gateway.openai_types import ChatBody, CompletionBody
 from router.gateway.reasoning import Reasoning
+from router.gateway.request_ids import request_id as answer_id
 from router.gateway.responses_body import ResponsesBody
 from router.gateway.responses_format import ResponsesFormat
 from router.gateway.responses_store import ResponseNotFound, ResponseStore, add_stored_response_routes
@@ -92,7 +92,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
     async def completions(request: Request) -> Response:
         try:
             body = await parse(request, CompletionBody)
-            request_id = f"cmpl-{uuid.uuid4().hex}"
+            request_id = answer_id(request, "cmpl")
             prompts = body.prompts()
             cut = body.truncate_prompt_tokens is not None
             reqs = [await adapted(body.to_request(request_id, body.truncated(
@@ -131,7 +131,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
     async def chat_completions(request: Request) -> Response:
         try:
             body = await parse(request, ChatBody)
-            req, fmt = await chat_request(body, f"chatcmpl-{uuid.uuid4().hex}")
+            req, fmt = await chat_request(body, answer_id(request, "chatcmpl"))
             return await respond(request, body, engine.submit(req), fmt)
         except Refusal as e:
             return e.response
@@ -147,7 +147,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
             body = await parse(request, ResponsesBody)
             previous = body.previous_response_id
             req, chat = await chat_request(body.chat(stored.history(previous) if previous else None),
-                                           f"resp-{uuid.uuid4().hex}")
+                                           answer_id(request, "resp"))
             keep = functools.partial(stored.put, inputs=body.input_items(), previous=previous) \
                 if body.store and stored.capacity else None
             if body.background and keep is None:
@@ -173,7 +173,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
         try:
             body = await parse(request, MessagesBody)
             req, chat = await chat_request(body.chat(budgets=engine.config.reasoning_parser is not None),
-                                           f"msg-{uuid.uuid4().hex}")
+                                           answer_id(request, "msg"))
             fmt = MessagesFormat(chat, body, body.model)
             return anthropic_error(await respond(request, body, engine.submit(req), fmt))
         except Refusal as e:
