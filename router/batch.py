@@ -118,24 +118,33 @@ class Client:
         with urllib.request.urlopen(request, timeout=self.timeout_s) as r:
             return json.loads(r.read())
 
-    def post(self, path: str, body: dict) -> tuple[int, dict, str]:
-        """(status, JSON body, request id) of the answer; OSError once the retries are spent."""
+    def post(self, path: str, body: dict, request_id: str) -> tuple[int, dict, str]:
+        """(status, JSON body, request id) of the answer; OSError once the retries are spent. request_id:
+        sent as X-Request-Id, so the router's logs and traces name the request by its output line's id."""
         data = json.dumps(body).encode()
+        headers = self.headers | {"X-Request-Id": request_id}
         for attempt in range(self.max_retries + 1):
             try:
-                request = urllib.request.Request(self.base + path, data=data, headers=self.headers, method="POST")
+                request = urllib.request.Request(self.base + path, data=data, headers=headers, method="POST")
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as r:
                     return r.status, json.loads(r.read()), r.headers.get("x-request-id", "")
             except urllib.error.HTTPError as err:
                 if err.code not in RETRY_STATUS or attempt == self.max_retries:
                     return err.code, _json(err.read()), err.headers.get("x-request-id", "")
-                wait = float(err.headers.get("Retry-After") or 2.0 ** attempt)
+                wait = _seconds(err.headers.get("Retry-After")) or 2.0 ** attempt
             except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
                 if attempt == self.max_retries:
                     raise OSError(getattr(err, "reason", err)) from None
                 wait = 2.0 ** attempt
             time.sleep(min(wait, 30.0))
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _seconds(retry_after: str | None) -> float:
+    try:
+        return float(retry_after or 0)
+    except ValueError:  # an HTTP date: not what the router sends
+        return 0.0
 
 
 def _json(raw: bytes) -> dict:
@@ -158,7 +167,7 @@ def run(client: Client, requests: list[BatchRequest], out: IO[str], concurrency:
         body = req.body if "model" in req.body else {"model": model, **req.body}
         record: dict = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.custom_id}
         try:
-            status, answer, request_id = client.post(req.url, body)
+            status, answer, request_id = client.post(req.url, body, record["id"])
             record |= {"response": {"status_code": status, "request_id": request_id or answer.get("id", ""),
                                     "body": answer}, "error": None}
             kind = "ok" if status < 300 else "error_status"

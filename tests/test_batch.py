@@ -91,7 +91,8 @@ def test_every_request_gets_its_answer_line_as_openai_writes_them(router, model_
     want = hf_greedy(model_pair[0], PROMPT, 8)
     for custom_id in ("cmpl", "no-model"):  # the router's model filled in where the body names none
         response = got[custom_id]["response"]
-        assert response["status_code"] == 200 and response["request_id"].startswith("cmpl-")
+        assert response["status_code"] == 200 and response["request_id"] == got[custom_id]["id"]
+        assert response["body"]["id"] == f"cmpl-{got[custom_id]['id']}", "the router logs it by the line's id"
         assert response["body"]["choices"][0]["token_ids"] == want
     assert got["chat"]["response"]["body"]["object"] == "chat.completion"
     assert got["resp"]["response"]["body"]["object"] == "response"
