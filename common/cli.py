@@ -61,6 +61,11 @@ class Secret(str):
     """A flag value that is never shown: its str and repr are *** (in --help defaults, argparse
     messages, logs). The value itself is the str's contents: .encode() and comparisons see them."""
 
+    def __new__(cls, value: str) -> Secret:
+        # argparse applies the type again to a string default (an environment variable's): keep the
+        # contents, not the *** its str() would give
+        return super().__new__(cls, str.__str__(value) if isinstance(value, Secret) else value)
+
     def __repr__(self) -> str:
         return "'***'"
 

@@ -14,12 +14,13 @@ counts until it ends); past either, 429 with Retry-After / RESOURCE_EXHAUSTED wi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.reload import POLL_S, FileSet
-from router.core import TENANT
+from router.core import CLIENT, TENANT
 
 log = logging.getLogger(__name__)
 ANONYMOUS = b"anonymous"
@@ -127,6 +128,7 @@ class Admission:
     message: str = ""
     retry_after: int = 0
     _release: Callable[[], None] | None = None
+    client: bytes = b""  # the key's digest (b"": keys are off), who owns what the call stores
     tenant: bytes = b""  # with --cache-salt-per-key: the key's digest, whose own prefix cache it uses
 
     @property
@@ -137,6 +139,17 @@ class Admission:
         if self._release is not None:
             self._release, release = None, self._release
             release()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """While the call it let in runs: who calls (CLIENT) and whose prefix cache (TENANT); then released."""
+        client, tenant = CLIENT.set(self.client), TENANT.set(self.tenant)
+        try:
+            yield
+        finally:
+            TENANT.reset(tenant)
+            CLIENT.reset(client)
+            self.release()
 
 
 class Guard:
@@ -172,7 +185,8 @@ class Guard:
                 return Admission(429, f"rate limit exceeded ({lim.rate_rps:g} requests/s per key)",
                                  max(1, math.ceil(wait)))
         self._in_flight[client] = self._in_flight.get(client, 0) + 1
-        return Admission(_release=lambda: self._done(client), tenant=client if self.salt_per_key else b"")
+        return Admission(_release=lambda: self._done(client), client=b"" if client == ANONYMOUS else client,
+                         tenant=client if self.salt_per_key else b"")
 
     def _done(self, client: bytes) -> None:
         left = self._in_flight[client] - 1
@@ -201,12 +215,8 @@ class HTTPGuard:
         if not admission.ok:
             await _refusal(admission, anthropic=scope["path"].startswith("/v1/messages"))(scope, receive, send)
             return
-        tenant = TENANT.set(admission.tenant)
-        try:
+        with admission.serving():
             await self.app(scope, receive, send)
-        finally:
-            TENANT.reset(tenant)
-            admission.release()
 
 
 def _refusal(a: Admission, anthropic: bool = False) -> JSONResponse:
@@ -253,13 +263,9 @@ def _guarded(handler: grpc.RpcMethodHandler, guard: Guard, authorization: str | 
 
         async def unary_stream(request, context):  # noqa: ANN001, ANN202
             a = await admit(context)
-            tenant = TENANT.set(a.tenant)
-            try:
+            with a.serving():
                 async for response in inner_stream(request, context):
                     yield response
-            finally:
-                TENANT.reset(tenant)
-                a.release()
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                     handler.response_serializer)
@@ -268,12 +274,8 @@ def _guarded(handler: grpc.RpcMethodHandler, guard: Guard, authorization: str | 
 
         async def unary_unary(request, context):  # noqa: ANN001, ANN202
             a = await admit(context)
-            tenant = TENANT.set(a.tenant)
-            try:
+            with a.serving():
                 return await inner_unary(request, context)
-            finally:
-                TENANT.reset(tenant)
-                a.release()
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
                                                    handler.response_serializer)

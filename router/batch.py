@@ -206,7 +206,9 @@ def build_parser(prog: str = "tandem batch") -> argparse.ArgumentParser:
                    help="where the answers go, one JSON object per line (refused if it holds answers already, "
                         "unless --resume)")
     p.add_argument("--url", default="", help="a running router's HTTP address, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", type=Secret, default=None, help="the router's API key, if it asks for one")
+    p.add_argument("--api-key", type=Secret, default=None,
+                   help="the router's API key, if it asks for one (from the environment as the router reads its "
+                        "keys: the first of a comma-separated list)")
     p.add_argument("--resume", action="store_true",
                    help="append to --output, running only the custom_ids it has no answer for")
     p.add_argument("--concurrency", type=int, default=16,
@@ -255,9 +257,15 @@ def main(argv: list[str] | None = None, prog: str = "tandem batch") -> int:
         return 1
     try:
         url = stack.url if stack is not None else args.url
-        client = Client(url, args.api_key, args.timeout, args.max_retries)
+        key = args.api_key.split(",")[0].strip() if args.api_key else None
+        client = Client(url, key, args.timeout, args.max_retries)
         try:
             model = client.get("/v1/models")["data"][0]["id"]
+        except urllib.error.HTTPError as err:
+            why = _json(err.read()).get("error", {}).get("message", "")
+            print(f"error: the router at {url} refused /v1/models: {err.code} {why}"
+                  + (" (give its key: --api-key)" if err.code == 401 else ""), file=sys.stderr)
+            return 1
         except (OSError, ValueError, KeyError, IndexError) as err:
             print(f"error: no router answers /v1/models at {url} ({err})", file=sys.stderr)
             return 1

@@ -22,6 +22,9 @@ RequestError = InvalidField  # bad input: HTTP 400 / gRPC INVALID_ARGUMENT, nami
 # by the doors' guard (router.auth) for the call it lets in; RouterEngine.submit reads it, as it reads
 # the caller's trace context. b"": the cache everybody shares.
 TENANT: ContextVar[bytes] = ContextVar("tandem_tenant", default=b"")
+# Who is calling: its API key's digest, set by the guard for the call it lets in (b"": keys are off).
+# Stored responses belong to it (router.gateway.responses_store): another key cannot read them.
+CLIENT: ContextVar[bytes] = ContextVar("tandem_client", default=b"")
 GREEDY = SamplingParams(temperature=0.0)
 
 

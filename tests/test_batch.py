@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from router.auth import Limits
+from router.auth import ApiKeys, Limits
 from router.batch import BatchFileError, BatchRequest, Client, main, read_requests, run
 from router.config import RouterConfig
 from router.security import RouterSecurity
@@ -134,6 +134,23 @@ def test_refusals_for_now_are_retried_after_retry_after(model_pair, tmp_path):
         assert 429 in [r["response"]["status_code"] for r in answers(out).values()], "without retries: refused"
     finally:
         limited.stop(), target.stop()
+
+
+def test_the_key_comes_from_the_flag_or_the_routers_own_variable(model_pair, tmp_path, monkeypatch):
+    target, _ = start_target(model_pair[0])
+    keyed = start_router(RouterConfig(), target.address, None, model_pair[0],
+                         security=RouterSecurity(keys=ApiKeys(["batch-key-1", "batch-key-2"])))
+    try:
+        source, out = requests_file(tmp_path, GOOD[:1]), tmp_path / "out.jsonl"
+        assert main(["--url", keyed.url, "-i", str(source), "-o", str(out)]) == 1, "no key: /v1/models refused"
+        monkeypatch.setenv("TANDEM_API_KEY", "batch-key-2,batch-key-1")  # as the router reads it: a list
+        assert main(["--url", keyed.url, "-i", str(source), "-o", str(out)]) == 0
+        assert answers(out)["cmpl"]["response"]["status_code"] == 200
+        out.unlink()
+        monkeypatch.delenv("TANDEM_API_KEY")
+        assert main(["--url", keyed.url, "-i", str(source), "-o", str(out), "--api-key", "batch-key-1"]) == 0
+    finally:
+        keyed.stop(), target.stop()
 
 
 def test_a_request_that_never_gets_an_answer_says_why():

@@ -154,9 +154,11 @@ def test_each_key_has_its_own_prefix_cache_on_both_doors(keyed):
     assert keyed_cached(keyed.url, ALICE, prompt, cache_salt="x") == 0, "a salt divides a key's cache further"
     assert keyed_cached(keyed.url, BOB, prompt, cache_salt="x") == 0, "and the same salt under two keys stays apart"
     with grpc.insecure_channel(keyed.grpc_address) as channel:
-        generate = generate_pb2_grpc.GenerateStub(channel).GenerateUnary
+        stub = generate_pb2_grpc.GenerateStub(channel)
         msg = generate_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=3)
-        assert generate(msg, metadata=[("authorization", f"Bearer {ALICE}")], timeout=60).cached_prompt_tokens == 64
+        alice = [("authorization", f"Bearer {ALICE}")]
+        assert stub.GenerateUnary(msg, metadata=alice, timeout=60).cached_prompt_tokens == 64
+        assert list(stub.Generate(msg, metadata=alice, timeout=60))[-1].cached_prompt_tokens == 64, "streamed too"
     assert metric(keyed.url, 'tandem:prefix_cache_attach_misses_total{service="draft"}') == 0
 
 

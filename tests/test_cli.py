@@ -53,6 +53,18 @@ def test_a_list_flag_takes_space_separated_values_from_the_environment():
     assert parser.parse_args(["--model", "m", "--lora-modules", "x=/x"]).lora_modules == ["x=/x"]
 
 
+def test_a_secret_from_the_environment_keeps_its_value_and_never_shows_it():
+    import argparse
+
+    from common.cli import Secret
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key", type=Secret, default=None)
+    key = env_settable(parser, {"TANDEM_API_KEY": "s3cret"}).parse_args([]).api_key
+    assert isinstance(key, Secret) and key.encode() == b"s3cret" and key == "s3cret"
+    assert "s3cret" not in repr(key) and "s3cret" not in str(key)
+
+
 def test_help_names_the_variable():
     assert "TANDEM_MAX_NUM_BATCHED_TOKENS" in router_parser().format_help()
 

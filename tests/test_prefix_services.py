@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from common.block_hash import chain_hashes
+from common.block_hash import ROOT, chain_hashes, salt_digest, salted_root
 from common.protocol import CACHE_MISS_METADATA
 from draft_service import server as draft_server
 from engine import EngineConfig, ModelRunner
@@ -147,3 +147,26 @@ def test_draft_never_publishes_drafts_under_verification_or_branches(draft, mode
     propose(stub, 1, 11, [t, *verifying], k=4, v=4, branches=((0, 1), (4, 1)))
     assert runner.blocks.cached_prefix(chain_hashes(prompt + [t, *verifying], BS)) == 3, "positions 0..11 are final"
     assert runner.blocks.num_cached == 3, "nothing else: not the drafts under verification, not the branches"
+
+
+def test_salted_blocks_are_published_and_attached_under_their_salt_only(target, draft, model_dir):
+    """StepEntry, Chunk and ProposeEntry carry cache_salt: blocks hash from salted_root(ROOT, salt)."""
+    (_, tstub), (_, dstub) = target, draft
+    salt, prompt = salt_digest("tenant-a"), toks(11, 21)
+    salted, plain = chain_hashes(prompt, BS, salted_root(ROOT, salt))[:5], chain_hashes(prompt, BS)[:5]
+    ref = hf_greedy(model_dir, prompt, 1)
+    entry = target_pb2.StepEntry(seq_id=1, start_pos=0, tokens=prompt, emit=True, sampling=GREEDY, logprobs=-1,
+                                 cache_salt=salt)
+    assert list(tstub.Step(target_pb2.StepRequest(entries=[entry]), timeout=30).results[0].tokens) == ref
+    tstub.Release(common_pb2.ReleaseRequest(seq_ids=[1]), timeout=5)
+    assert missed(lambda: step(tstub, 2, 20, prompt[20:], prefix=plain)) == [2], "the unsalted chain finds nothing"
+    entry = target_pb2.StepEntry(seq_id=3, start_pos=20, tokens=prompt[20:], emit=True, sampling=GREEDY,
+                                 logprobs=-1, prefix_block_hashes=salted, cache_salt=salt)
+    assert list(tstub.Step(target_pb2.StepRequest(entries=[entry]), timeout=30).results[0].tokens) == ref
+    dstub.Sync(draft_pb2.SyncRequest(chunks=[draft_pb2.Chunk(seq_id=1, start_pos=0, tokens=prompt, cache_salt=salt)]),
+               timeout=30)
+    assert missed(lambda: propose(dstub, 2, 20, prompt[20:], k=2, prefix=plain)) == [2]
+    e = draft_pb2.ProposeEntry(seq_id=3, start_pos=20, tokens=prompt[20:], k=2, sampling=GREEDY,
+                               prefix_block_hashes=salted, cache_salt=salt)
+    out = dstub.Propose(draft_pb2.ProposeRequest(entries=[e]), timeout=30).proposals[0]
+    assert list(out.tokens) == hf_greedy(model_dir, prompt, 2)

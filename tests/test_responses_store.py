@@ -9,6 +9,7 @@
 - a background response is queued at once and read back as its answer when done; cancelled, it stops
   and frees its KV; it is always stored and cannot be continued while it runs; streamed, a client that
   went away follows its events again from where it left
+- with API keys, a stored response is its key's: another key finds nothing by any route
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import openai
 import pytest
 from openai import OpenAI
 
+from router.auth import ApiKeys
 from router.config import RouterConfig
 from router.gateway.responses_store import ResponseNotFound, ResponseStore
-from tests.stack import running_stack, wait_until
+from router.security import RouterSecurity
+from tests.stack import running_stack, start_router, start_target, wait_until
 
 SAMPLING = {"temperature": 0, "max_output_tokens": 12, "extra_body": {"ignore_eos": True}}
 
@@ -174,3 +177,35 @@ def test_a_streamed_background_response_is_followed_again_after_the_client_went_
     assert events[-1].type == "response.incomplete" and _settled(client, response_id).output_text == want
     replay = list(client.responses.retrieve(response_id, stream=True))
     assert [e.sequence_number for e in replay] == list(range(len(events))), "finished: followed from the start"
+
+
+# ---- with API keys, a stored response is its key's --------------------------------------------------
+ALICE, BOB = "alice-store-key-1", "bob-store-key-2"
+
+
+def test_another_keys_stored_response_is_not_found_by_any_route(model_pair):
+    target, _ = start_target(model_pair[0])
+    router = start_router(RouterConfig(), target.address, None, model_pair[0],
+                          security=RouterSecurity(keys=ApiKeys([ALICE, BOB])))
+    try:
+        alice, bob = (OpenAI(base_url=f"{router.url}/v1", api_key=k, max_retries=0) for k in (ALICE, BOB))
+        first = alice.responses.create(model="tiny", input="hello", **SAMPLING)
+        running = alice.responses.create(model="tiny", input="more", background=True, temperature=0,
+                                         max_output_tokens=400, extra_body={"ignore_eos": True})
+        calls = (lambda r: bob.responses.retrieve(r), lambda r: bob.responses.input_items.list(r),
+                 lambda r: bob.responses.delete(r), lambda r: bob.responses.cancel(r),
+                 lambda r: bob.responses.create(model="tiny", input="go on", previous_response_id=r, **SAMPLING))
+        for rid in (first.id, running.id):
+            for call in calls:
+                with pytest.raises(openai.NotFoundError, match="no stored response"):
+                    call(rid)
+        with pytest.raises(openai.BadRequestError):  # not another's: a streamed follow of a non-streamed one
+            alice.responses.retrieve(first.id, stream=True)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(first.id, stream=True)
+        assert alice.responses.retrieve(first.id).output_text == first.output_text, "its own key reads it"
+        assert alice.responses.cancel(running.id).status == "cancelled"
+        assert alice.responses.create(model="tiny", input="go on", previous_response_id=first.id, **SAMPLING).id
+        alice.responses.delete(first.id)
+    finally:
+        router.stop(), target.stop()

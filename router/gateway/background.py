@@ -111,7 +111,8 @@ class BackgroundResponses:
 
     def follow(self, response_id: str, starting_after: int = -1) -> AsyncIterator[str]:
         """A streamed background response's events after `starting_after`, then on until it ends.
-        RequestError where it did not stream or is no longer followable."""
+        RequestError where it did not stream or is no longer followable; ResponseNotFound for another key."""
+        self.store.get(response_id)
         run = self._running.get(response_id) or self._finished.get(response_id)
         if run is None or run.events is None:
             raise RequestError("stream", f"{response_id!r} is not a streamed background response this router "
@@ -135,9 +136,9 @@ class BackgroundResponses:
 
     async def cancel(self, response_id: str) -> dict:
         """ResponseNotFound, or RequestError for a response that did not run in the background."""
+        stored = self.store.get(response_id)  # not found for another key, running or not
         run = self._running.get(response_id)
         if run is None:
-            stored = self.store.get(response_id)
             if not stored.get("background"):
                 raise RequestError("response_id", "only a background response can be cancelled")
             return stored

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from common.tracing import Tracing
-from router.core import Overloaded, RequestError, ServiceUnavailable
+from router.core import CLIENT, Overloaded, RequestError, ServiceUnavailable
 from router.core import Request as CoreRequest
 from router.engine import RouterEngine
 from router.gateway.answers import respond
@@ -148,7 +148,7 @@ def create_app(engine: RouterEngine, model_name: str, aliases: tuple[str, ...] =
             previous = body.previous_response_id
             req, chat = await chat_request(body.chat(stored.history(previous) if previous else None),
                                            answer_id(request, "resp"))
-            keep = functools.partial(stored.put, inputs=body.input_items(), previous=previous) \
+            keep = functools.partial(stored.put, inputs=body.input_items(), previous=previous, owner=CLIENT.get()) \
                 if body.store and stored.capacity else None
             if body.background and keep is None:
                 raise RequestError("background", "this router stores no responses (--max-stored-responses 0)")

@@ -6,8 +6,10 @@ input items and output items and the id of the response it continued, so that
                              carried over, as OpenAI's are not)
     GET /v1/responses/{id}   reads one back, /input_items the items it answered, DELETE forgets it
 
-Kept in this router's memory: the least recently stored go first past --max-stored-responses (0 keeps
-none), and a router does not see another's (route a conversation to one router, or send its items).
+With API keys, a stored response is its key's: another key's requests (continue, read, delete,
+cancel) find nothing there. Kept in this router's memory: the least recently stored go first past
+--max-stored-responses (0 keeps none), and a router does not see another's (route a conversation to
+one router, or send its items).
 A turn whose stored ancestor is gone cannot be continued: a 404 says which."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from common.sampling import InvalidField
+from router.core import CLIENT
 from router.gateway.http_body import error
 
 
@@ -34,6 +37,7 @@ class Stored:
     response: dict  # the response object as it was answered
     inputs: list[dict]  # this turn's input items
     previous: str | None  # the response it continued
+    owner: bytes  # the API key's digest that stored it (b"": keys are off); no other key finds it
 
 
 class ResponseStore:
@@ -41,10 +45,10 @@ class ResponseStore:
         self.capacity = capacity
         self._kept: OrderedDict[str, Stored] = OrderedDict()
 
-    def put(self, response: dict, inputs: list[dict], previous: str | None) -> None:
+    def put(self, response: dict, inputs: list[dict], previous: str | None, owner: bytes = b"") -> None:
         if self.capacity <= 0:
             return
-        self._kept[response["id"]] = Stored(response, inputs, previous)
+        self._kept[response["id"]] = Stored(response, inputs, previous, owner)
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
 
@@ -52,8 +56,8 @@ class ResponseStore:
         return self._stored(response_id).response
 
     def delete(self, response_id: str) -> None:
-        if self._kept.pop(response_id, None) is None:
-            raise ResponseNotFound(response_id)
+        self._stored(response_id)
+        del self._kept[response_id]
 
     def history(self, response_id: str) -> list[dict]:
         """The items of the conversation up to and including the response: each turn's input items,
@@ -79,8 +83,9 @@ class ResponseStore:
         return (self.history(stored.previous) if stored.previous else []) + stored.inputs
 
     def _stored(self, response_id: str) -> Stored:
+        """Another key's response is not found either: the same answer, so nothing tells them apart."""
         stored = self._kept.get(response_id)
-        if stored is None:
+        if stored is None or stored.owner != CLIENT.get():
             raise ResponseNotFound(response_id)
         return stored
 
