@@ -19,11 +19,11 @@ import torch
 
 from common.block_hash import ROOT, salted_root
 from engine.attention import BatchLayout
+from engine.calibration import calibrate
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import GraphRunner
 from engine.flash_attention import select_backend, uses_flash
 from engine.kv_cache import BlockManager, PagedKVCache
-from engine.linear import calibrate
 from engine.lora import AdapterError, LoraAdapter, LoraBatch
 from engine.model import CausalLM, FlatBatch, ForwardContext, ReducedHead
 from engine.parallel import SINGLE, TensorParallel, check_shardable
@@ -129,7 +129,7 @@ class ModelRunner:
         load_weights(model, model_dir)
         model.model.rotary.build(device)  # float32 tables: not weights, so not in the checkpoint
         model.eval()
-        calibrate(model)  # CPU only: how small products run fastest (padded, column-major; engine/linear.py)
+        calibrate(model)  # CPU only: how small products run fastest (engine/linear.py, engine/calibration.py)
         runner = cls(model, config, model_dir)
         if config.cuda_graphs and (runner.backend.name == "flash-attn" or runner.max_model_len <= _SDPA_GRAPH_MAX_LEN):
             runner.use_graphs()

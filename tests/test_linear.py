@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import EngineConfig, ModelRunner, SeqInput, linear
-from engine.linear import PAD_TO, Linear, SmallProducts, calibrate, can_pack, choose, linears, use
+from engine import EngineConfig, ModelRunner, SeqInput, calibration
+from engine.calibration import calibrate, choose
+from engine.linear import PAD_TO, Linear, SmallProducts, can_pack, linears, use
 from tests.conftest import hf_logits
 
 ATOL = 1e-4
@@ -134,10 +135,10 @@ def test_column_major_is_tried_only_for_linears_far_larger_than_the_cache(hf_che
     _, model_dir = hf_checkpoint
     runner = ModelRunner.load(model_dir, EngineConfig(num_blocks=16, block_size=4, device="cpu"))
     timed: list[bool] = []
-    real = linear.pass_ms
-    monkeypatch.setattr(linear, "pass_ms", lambda layers, rows, way="rows":
+    real = calibration.pass_ms
+    monkeypatch.setattr(calibration, "pass_ms", lambda layers, rows, way="rows":
                         timed.append(way == "columns") or real(layers, rows, way))
-    monkeypatch.setattr(linear, "largest_cache_bytes", lambda: cache)
+    monkeypatch.setattr(calibration, "largest_cache_bytes", lambda: cache)
     small = calibrate(runner.model, repeats=1)
     assert any(timed) == tried
     if not tried:
@@ -148,8 +149,8 @@ def test_the_largest_cache_is_read_from_sysfs(tmp_path):
     for index, size in enumerate(["32K", "64K", "1024K", "32768K", "?"]):
         (tmp_path / f"index{index}").mkdir()
         (tmp_path / f"index{index}" / "size").write_text(size + "\n")
-    assert linear.largest_cache_bytes(tmp_path) == 32 * 2**20
-    assert linear.largest_cache_bytes(tmp_path / "missing") == 0
+    assert calibration.largest_cache_bytes(tmp_path) == 32 * 2**20
+    assert calibration.largest_cache_bytes(tmp_path / "missing") == 0
 
 
 @pytest.mark.parametrize("small", [SmallProducts(padded=frozenset({2, 3})),
@@ -187,8 +188,8 @@ def test_a_neighbour_busy_during_calibration_slows_every_way_alike(hf_checkpoint
         calls.append(way)
         return quiet[way][rows] * (3.0 if len(calls) <= len(quiet["rows"]) else 1.0)
 
-    monkeypatch.setattr(linear, "pass_ms", neighbour_then_quiet)
-    monkeypatch.setattr(linear, "largest_cache_bytes", lambda: 10**12)  # no column-major copy
+    monkeypatch.setattr(calibration, "pass_ms", neighbour_then_quiet)
+    monkeypatch.setattr(calibration, "largest_cache_bytes", lambda: 10**12)  # no column-major copy
     small = calibrate(runner.model, repeats=3)
     assert small == choose(quiet["rows"], {}, len(layers), quiet["packed"])
     assert 1 not in small.packed and not small.padded, "one-row decodes run as is, as measured quietly"
