@@ -60,11 +60,14 @@ def cut_draft(target_dir: str | Path, layers: Sequence[int], head_ids: Sequence[
 
 
 def save_draft(config: dict, weights: dict, target_dir: str | Path, out_dir: str | Path) -> None:
-    """Write the draft as a Hugging Face directory with the target's tokenizer files, byte for byte."""
+    """Write the draft as a Hugging Face directory with the target's tokenizer files, byte for byte; its
+    matrices in fp16 where the target's are (model_zoo/gguf.py: the engine's faster fp16 way)."""
     out = Path(out_dir)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    tensors = {k: v.contiguous() for k, v in weights.items()}
+    half = _stores_half(target_dir)
+    tensors = {k: (v.half() if half and v.dim() == 2 and v.is_floating_point() else v).contiguous()
+               for k, v in weights.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for f in TOKENIZER_FILES:
@@ -72,6 +75,13 @@ def save_draft(config: dict, weights: dict, target_dir: str | Path, out_dir: str
             shutil.copyfile(Path(target_dir) / f, out / f)
     for f in out.iterdir():
         os.chmod(f, 0o644)
+
+
+def _stores_half(model_dir: str | Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+        return f.get_slice("model.embed_tokens.weight").get_dtype() == "F16"
 
 
 def num_params(model_dir: str | Path) -> int:

@@ -1,4 +1,10 @@
-"""Llama GGUF -> an ordinary Hugging Face directory (fp32 safetensors, config, tokenizer).
+"""Llama GGUF -> an ordinary Hugging Face directory (safetensors, config, tokenizer).
+
+Matrices stored quantised or in half precision are written in fp16 (as llama.cpp's own converters
+do), the rest in fp32: a Q4_1 matrix dequantises to d * q + m, which fp16 holds to 2^-11 of its value,
+far inside the quantisation's own step, and the engine runs fp16-valued weights through a product
+that reads half the bytes (engine/linear.py). `round_as_written` applies the same rounding to a model
+loaded another way (transformers' own GGUF load), to compare like with like.
 
 llama.cpp stores Llama weights with two twists that a plain dequantisation would get wrong:
 tensors are named its own way (``blk.N.attn_q``), and the rows of Q and K are permuted so that
@@ -17,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -109,7 +115,8 @@ def hf_name(gguf_name: str) -> str:
 
 
 def read_tensors(reader: GGUFReader, hyper: LlamaHyper, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Every tensor dequantised to fp32, named and laid out as Hugging Face's LlamaForCausalLM."""
+    """Every tensor dequantised (fp16 where `halved`, else fp32), named and laid out as Hugging Face's
+    LlamaForCausalLM."""
     out: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantise GGUF", unit="tensor", disable=not progress, mininterval=1.0):
         w = dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))  # ggml: innermost first
@@ -117,8 +124,26 @@ def read_tensors(reader: GGUFReader, hyper: LlamaHyper, progress: bool = True) -
             w = unpermute_rows(w, hyper.heads)
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_rows(w, hyper.kv_heads)
-        out[hf_name(t.name)] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))  # F32 ones are read-only maps
+        tensor = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))  # F32 ones are read-only maps
+        out[hf_name(t.name)] = tensor.half() if halved(tensor, t.tensor_type) else tensor
     return out
+
+
+def halved(tensor: torch.Tensor, stored: GGMLQuantizationType) -> bool:
+    """Whether a dequantised tensor is written in fp16: a matrix not stored as F32, within fp16's range."""
+    return tensor.dim() == 2 and stored != GGMLQuantizationType.F32 and float(tensor.abs().max()) <= 65504.0
+
+
+@torch.no_grad()
+def round_as_written(model: torch.nn.Module, checkpoint_dir: str | Path) -> None:
+    """Round `model`'s parameters to fp16 where the converted checkpoint stores them in fp16."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(checkpoint_dir) / "model.safetensors"), framework="pt") as f:
+        halves = {name for name in f.keys() if f.get_slice(name).get_dtype() == "F16"}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in halves:
+            p.copy_(p.half().float())
 
 
 def special_ids(reader: GGUFReader) -> dict[str, int | None]:
@@ -199,7 +224,7 @@ def hf_config(hyper: LlamaHyper, ids: dict[str, int | None]) -> dict:
         "bos_token_id": ids["bos"],
         "eos_token_id": ids["eos"],
         "pad_token_id": ids["pad"],
-        "dtype": "float32",
+        "dtype": "float32",  # what it computes in: its fp16 matrices widen exactly
     }
 
 

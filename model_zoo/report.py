@@ -14,7 +14,8 @@ def format_report(r: dict) -> str:
     lines = [
         f"SmolLM2 pair '{r['variant']}'  settings {r['settings_hash']}  torch {r['versions']['torch']}, "
         f"transformers {r['versions']['transformers']}, gguf {r['versions']['gguf']}",
-        f"target   : {t['source']} (GGUF sha256 {t['gguf_sha256'][:12]}...), {t['params'] / 1e6:.1f}M params, fp32",
+        f"target   : {t['source']} (GGUF sha256 {t['gguf_sha256'][:12]}...), {t['params'] / 1e6:.1f}M params, "
+        f"{t.get('storage', 'fp32')}",
         "           vs transformers' own GGUF load: not checked (this variant skips it)" if v.get("skipped") else
         f"           vs transformers' own GGUF load: max |logit gap| {v['max_abs_logit_gap_transformers']:.2e} "
         f"(transformers), {v['max_abs_logit_gap_engine']:.2e} (engine); tokenizer and chat template identical",

