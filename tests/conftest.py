@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -56,6 +57,15 @@ def reduce_head(src: Path, dst: Path, keep: list[int]) -> Path:
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, "draft_vocab_size": len(keep)}))
     return dst
+
+
+@pytest.fixture
+def seen_rows(monkeypatch) -> list[int]:
+    """The row counts F.linear (engine/linear.py's row-major fp32 way) is called with."""
+    seen: list[int] = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
+    return seen
 
 
 @pytest.fixture(scope="session", params=sorted(ARCHS))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine import EngineConfig, ModelRunner, SeqInput, calibration
 from engine.calibration import calibrate, choose
@@ -13,15 +12,6 @@ from engine.linear import PAD_TO, Linear, SmallProducts, can_pack, linears, use
 from tests.conftest import hf_logits
 
 ATOL = 1e-4
-
-
-@pytest.fixture
-def seen_rows(monkeypatch) -> list[int]:
-    """The row counts F.linear (the row-major way) is called with."""
-    seen: list[int] = []
-    real = F.linear
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
-    return seen
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import EngineConfig, ModelRunner, SeqInput, calibration
@@ -29,15 +28,6 @@ def fp16_layer(bias: bool = True) -> Linear:
 
 
 needs_fbgemm = pytest.mark.skipif(not can_halve([fp16_layer()]), reason="no fbgemm fp16 product in this torch build")
-
-
-@pytest.fixture
-def seen_rows(monkeypatch) -> list[int]:
-    """The row counts F.linear (the row-major fp32 way) is called with."""
-    seen: list[int] = []
-    real = F.linear
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
-    return seen
 
 
 @pytest.fixture(scope="module")
