@@ -70,9 +70,10 @@ def _synchronized(device: torch.device, fn: Callable, spent: list[float]) -> Cal
 
 
 def profile(model: str, device: str, eager: bool, batches: list[int], ks: list[int], steps: int,
-            chunks: tuple[int, ...] = (0,)) -> list[StepTimes]:
+            chunks: tuple[int, ...] = (0,), repeats: int = 1) -> list[StepTimes]:
     """One service (as `python -m target_service` builds it) and, per (B, k, chunk), `steps` measured
-    steps after a few unmeasured ones."""
+    steps after a few unmeasured ones; the whole grid `repeats` times over (a row each time), so that
+    a drift in the machine's speed spreads over every size instead of landing on one."""
     from engine.service import load_runner
     from target_service.__main__ import build_parser
     from target_service.server import create_servicer
@@ -93,7 +94,7 @@ def profile(model: str, device: str, eager: bool, batches: list[int], ks: list[i
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     out = []
-    for b in batches:
+    for b in [b for _ in range(repeats) for b in batches]:
         for k in ks:
             for chunk in chunks:
                 ids = list(range(1, b + 1))
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt tokens of a chunk beside the decodes, comma-separated (0: decodes only); "
                         "e.g. 0,128 adds the mixed steps of chunked prefill")
     p.add_argument("--steps", type=int, default=40, help="measured steps per (B, k), after 5 unmeasured")
+    p.add_argument("--repeats", type=int, default=1, help="run the whole grid this many times (a row each)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.threads:
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step profile of {args.model}: means over {args.steps} steps, prompts of {PROMPT_LEN} tokens\n")
     print(HEADER)
     for eager in ([False, True] if cuda else [True]):
-        for t in profile(args.model, args.device, eager, batches, ks, args.steps, chunks):
+        for t in profile(args.model, args.device, eager, batches, ks, args.steps, chunks, args.repeats):
             print(t.row(), flush=True)
     return 0
 

@@ -19,3 +19,9 @@ def test_the_parts_of_a_step_nest_for_every_batch_and_k(tmp_path):
         assert r.host_ms == r.step_ms - r.model_ms
         assert r.path == "eager" and r.replayed == 0
         assert r.row().count("|") == HEADER.splitlines()[0].count("|")
+
+
+def test_repeats_run_the_whole_grid_again_in_the_same_order(tmp_path):
+    model = write_checkpoint(LlamaConfig(**SMALL), tmp_path, seed=1)
+    rows = profile(str(model), "cpu", eager=True, batches=[1], ks=[0, 1], steps=1, repeats=2)
+    assert [(r.batch, r.k) for r in rows] == [(1, 0), (1, 1), (1, 0), (1, 1)]

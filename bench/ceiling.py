@@ -1,0 +1,260 @@
+"""What speculation could make of one stream at best, on this machine and pair: the target's own
+greedy continuations of the bench's prompts, replayed through each way of proposing tokens (the
+draft model, prompt lookup, both), with the target's measured step times. No router, no RPC, no
+timing noise from a load: an upper bound that says whether a figure the bench misses is reachable.
+
+    per output position t:   draft chain   d(t) = how many of the draft's greedy proposals after
+                                             prompt + output[:t] equal output[t:t + k]
+                             lookup chain  l(t), and how many tokens lookup offered there
+    one step at t:           a policy picks (source, k); the step emits 1 + min(chain, k) tokens
+                             and costs step_ms[k] (+ the draft's rounds, when it runs first)
+
+"free" prices the draft at nothing, as a pipeline that always had the right proposal ready would
+(hit rate 1); "sequential" adds its k forwards to the step. tokens/s counts each prompt's prefill
+too, as the bench's single-stream figure does (python -m bench, c = 1), so it is capped by Amdahl:
+speculation speeds decoding only.
+
+    python -m bench.ceiling --models models/smollm2 [--goal 1.6] [--cpu 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from router.lookup import PromptLookup
+
+Chain = tuple[int, int, int]  # (draft's matched tokens, lookup's matched tokens, lookup's offered tokens)
+Policy = Callable[[Chain], tuple[str, int]]  # -> ("draft" | "lookup", k)
+
+
+@dataclass(frozen=True)
+class Costs:
+    step_ms: tuple[float, ...]  # one decode step verifying k = 0, 1, ... drafts
+    prefill_ms: float  # all prompts' prefill, in the router's chunks
+    draft_round_ms: float  # one draft forward of one sequence (a sequential call costs k of them)
+
+
+def lookup_chains(prompt: Sequence[int], output: Sequence[int], k_max: int) -> list[tuple[int, int]]:
+    """(matched, offered) for prompt lookup at every output position, as the router looks it up."""
+    lookup, history, out = PromptLookup(), list(prompt), []
+    for t in range(len(output)):
+        offer = lookup.propose(history, k_max)
+        matched = 0
+        while matched < len(offer) and t + matched < len(output) and offer[matched] == output[t + matched]:
+            matched += 1
+        out.append((matched, len(offer)))
+        history.append(output[t])
+    return out
+
+
+def replay(chains: Sequence[Sequence[Chain]], costs: Costs, policy: Policy,
+           sequential: bool = False) -> tuple[int, float]:
+    """(tokens, decode ms) for every stream decoded with `policy`: the target-only baseline is the
+    policy that never speculates."""
+    tokens, ms = 0, 0.0
+    for stream in chains:
+        t = 0
+        while t < len(stream):
+            source, k = policy(stream[t])
+            matched = min(stream[t][0] if source == "draft" else stream[t][1], k)
+            emitted = min(1 + matched, len(stream) - t)
+            tokens, t = tokens + emitted, t + emitted
+            ms += costs.step_ms[k] + (k * costs.draft_round_ms if sequential and source == "draft" else 0.0)
+    return tokens, ms
+
+
+def policies(k_max: int) -> dict[str, Policy]:
+    """The ways of proposing compared: fixed choices a router could make, and the oracle no router can
+    (the source that matches more, verified at exactly its matched length)."""
+    out: dict[str, Policy] = {"target only": lambda c: ("draft", 0),
+                              "prompt lookup (k = its offer)": lambda c: ("lookup", min(c[2], k_max))}
+    for k in range(1, k_max + 1):
+        out[f"draft, k = {k}"] = lambda c, k=k: ("draft", k)
+        out[f"lookup where it offers, else draft k = {k}"] = lambda c, k=k: ("lookup", min(c[2], k_max)) if c[2] \
+            else ("draft", k)
+    out["oracle: the better source, k = its match"] = lambda c: ("draft", c[0]) if c[0] >= c[1] else ("lookup", c[1])
+    return out
+
+
+def speedups(chains: Sequence[Sequence[Chain]], costs: Costs, policy: Policy, sequential: bool) -> tuple[float, float]:
+    """(decode speed-up, tokens/s speed-up with prefill) over the target alone."""
+    base_tokens, base_ms = replay(chains, costs, lambda c: ("draft", 0))
+    tokens, ms = replay(chains, costs, policy, sequential)
+    assert tokens == base_tokens, "every policy emits the same outputs"
+    return base_ms / ms, (costs.prefill_ms + base_ms) / (costs.prefill_ms + ms)
+
+
+def with_synthetic_draft(chains: Sequence[Sequence[Chain]], acceptance: float, k_max: int,
+                         seed: int = 0) -> list[list[Chain]]:
+    """The same streams with a draft whose every proposal is accepted with probability `acceptance`
+    (independently; lookup's chains kept): what a better draft would make of them."""
+    rng = random.Random(seed)
+    out = []
+    for stream in chains:
+        synthetic = []
+        for t, (_, looked, offered) in enumerate(stream):
+            matched = 0
+            while matched < min(k_max, len(stream) - t) and rng.random() < acceptance:
+                matched += 1
+            synthetic.append((matched, looked, offered))
+        out.append(synthetic)
+    return out
+
+
+def best_combined(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int) -> tuple[int, float]:
+    """(k, tokens/s speed-up) of the best "lookup where it offers, else draft k", free."""
+    pols = policies(k_max)
+    return max(((k, speedups(chains, costs, pols[f"lookup where it offers, else draft k = {k}"], False)[1])
+                for k in range(1, k_max + 1)), key=lambda kv: kv[1])
+
+
+def acceptance_needed(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int, goal: float) -> float | None:
+    """The least per-token draft acceptance (in steps of 0.05) at which the best combination reaches
+    `goal` x the target's tokens/s, free; None if none below 1 does."""
+    for step in range(1, 20):
+        a = step / 20
+        if best_combined(with_synthetic_draft(chains, a, k_max), costs, k_max)[1] >= goal:
+            return a
+    return None
+
+
+def report(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int, goal: float) -> dict:
+    flat = [c for s in chains for c in s]
+    offered = [c for c in flat if c[2]]
+    rows = []
+    for name, policy in policies(k_max).items():
+        decode, total = speedups(chains, costs, policy, False)
+        sequential = speedups(chains, costs, policy, True)[1] if "draft" in name else total
+        rows.append({"policy": name, "decode": round(decode, 3), "tokens_s": round(total, 3),
+                     "tokens_s_sequential": round(sequential, 3)})
+    k, best = best_combined(chains, costs, k_max)
+    return {"positions": len(flat), "draft_first_token": round(sum(c[0] > 0 for c in flat) / len(flat), 3),
+            "lookup_offers": round(len(offered) / len(flat), 3),
+            "lookup_first_token_when_offered": round(sum(c[1] > 0 for c in offered) / max(1, len(offered)), 3),
+            "step_ms": [round(m, 1) for m in costs.step_ms], "prefill_ms": round(costs.prefill_ms),
+            "draft_round_ms": round(costs.draft_round_ms, 2), "prefill_share": round(
+                costs.prefill_ms / (costs.prefill_ms + replay(chains, costs, lambda c: ("draft", 0))[1]), 3),
+            "policies": rows, "best_combined": {"k": k, "tokens_s": round(best, 3)},
+            "goal": goal, "draft_acceptance_needed": acceptance_needed(chains, costs, k_max, goal)}
+
+
+REPEATS = 5  # rounds over every k: a step's time drifts by 20% and more between runs on a shared machine
+BUDGET = 256  # the router's tokens per step (python -m bench --budget): prompt chunks and the pool's lengths
+
+
+@dataclass(frozen=True)
+class Measured:
+    prompts: list[list[int]]  # the bench's prompt pool for the pair
+    outputs: list[list[int]]  # the target's greedy continuations, as long as the bench asks (end tokens ignored)
+    chains: list[list[Chain]]  # per output position
+    costs: Costs
+
+
+@torch.inference_mode()
+def measure(models: Path, k_max: int, steps: int) -> Measured:
+    from bench.pairs import Pair
+    from bench.plans import profile_for
+    from bench.step_profile import profile
+    from bench.workloads import build_pool
+    from engine import SeqInput
+    from model_zoo.evaluate import match_lengths
+    from model_zoo.generate import generate, make_runner
+
+    pair = Pair(models)
+    pool, _ = build_pool(pair, profile_for(pair.name, pair.params("target")).full, BUDGET, 0)
+    prompts, longest = [p.ids for p in pool], max(p.max_tokens for p in pool)
+    room = 8 * (max(len(p) for p in prompts) + longest + k_max + 1)
+    target = make_runner(str(pair.target), room)
+    outputs: list[list[int]] = [[] for _ in pool]
+    by_length: dict[int, list[int]] = {}  # a prompt has room for its own output length only (workloads.Slot)
+    for i, p in enumerate(pool):
+        by_length.setdefault(p.max_tokens, []).append(i)
+    with tqdm(total=len(pool), desc="target's continuations", unit="seq") as bar:
+        for n, same in sorted(by_length.items()):
+            made = generate(target, [prompts[i] for i in same], n, batch=8, progress=False)
+            for i, g in zip(same, made, strict=True):
+                outputs[i] = g.output
+            bar.update(len(same))
+    prefill_ms = 0.0
+    for prompt in prompts:
+        for start in range(0, len(prompt), BUDGET):
+            chunk = prompt[start:start + BUDGET]
+            t0 = time.perf_counter()
+            target.forward([SeqInput(0, start, chunk, num_logits=int(start + BUDGET >= len(prompt)))])
+            prefill_ms += (time.perf_counter() - t0) * 1000
+        target.release([0])
+    del target
+    draft = make_runner(str(pair.draft), room)
+    drafted = match_lengths(draft, prompts, outputs, k_max, batch=8)
+    draft.forward([SeqInput(0, 0, prompts[0])])
+    rounds = []
+    for i in range(20):
+        t0 = time.perf_counter()
+        draft.forward([SeqInput(0, len(prompts[0]) + i, [outputs[0][i % len(outputs[0])]])])
+        rounds.append((time.perf_counter() - t0) * 1000)
+    del draft
+    chains = [[(d, looked, offered) for d, (looked, offered) in zip(ds, lookup_chains(p, o, k_max), strict=True)]
+              for ds, p, o in zip(drafted, prompts, outputs, strict=True)]
+    timed = profile(str(pair.target), "cpu", True, [1], list(range(k_max + 1)), steps, repeats=REPEATS)
+    step_ms = tuple(statistics.median(t.step_ms for t in timed if t.k == k) for k in range(k_max + 1))
+    return Measured(prompts, outputs, chains, Costs(step_ms, prefill_ms, statistics.median(rounds)))
+
+
+def markdown(name: str, r: dict) -> str:
+    lines = [f"## {name}: {r['positions']} output positions",
+             "", f"Draft's first token right at {r['draft_first_token']:.0%} of positions; prompt lookup offers "
+             f"at {r['lookup_offers']:.0%}, its first token right at {r['lookup_first_token_when_offered']:.0%} of "
+             f"those. Target step ms at k = 0..{len(r['step_ms']) - 1}: {' / '.join(map(str, r['step_ms']))}; a draft "
+             f"round {r['draft_round_ms']} ms; prefill {r['prefill_share']:.0%} of the target-only time.", "",
+             "| proposals | decode speed-up | tokens/s speed-up (with prefill), draft free | ... draft sequential |",
+             "|---|---|---|---|"]
+    lines += [f"| {p['policy']} | {p['decode']:.2f}x | {p['tokens_s']:.2f}x | {p['tokens_s_sequential']:.2f}x |"
+              for p in r["policies"]]
+    need, lookup = r["draft_acceptance_needed"], r["policies"][1]
+    assert lookup["policy"].startswith("prompt lookup")
+    lines += ["", f"Best real combination: lookup where it offers, else the draft at k = {r['best_combined']['k']}: "
+              f"{r['best_combined']['tokens_s']:.2f}x tokens/s with the draft free. For {r['goal']}x, "
+              + ("prompt lookup alone does." if lookup["tokens_s"] >= r["goal"]
+                 else f"a draft accepted at {need:.2f} per token (independently) would do." if need is not None
+                 else "a draft of any acceptance below 1 would not do: prefill alone caps it.")]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=Path, default=Path("models/smollm2"), help="a pair directory (target/, draft/)")
+    p.add_argument("--k-max", type=int, default=4, help="the most drafts a step verifies (the bench's --k-max)")
+    p.add_argument("--goal", type=float, default=1.6, help="the tokens/s speed-up to find the draft acceptance for")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (two-device mode: 1)")
+    p.add_argument("--cpu", type=int, default=None, help="pin to this core, as two-device mode pins the target")
+    p.add_argument("--steps", type=int, default=8, help=f"timed steps per k in each of {REPEATS} rounds")
+    p.add_argument("--out", type=Path, default=None, help="also write the figures here as JSON")
+    args = p.parse_args(argv)
+    if not (args.models / "target").is_dir() or not (args.models / "draft").is_dir():
+        p.error(f"{args.models} holds no target/ and draft/ (make models builds them)")
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    torch.set_num_threads(args.threads)
+    measured = measure(args.models, args.k_max, args.steps)
+    result = report(measured.chains, measured.costs, args.k_max, args.goal)
+    print(markdown(args.models.resolve().name, result))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
