@@ -29,11 +29,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from router.lookup import PromptLookup
+from router.spec_policy import expected_tokens
+
+if TYPE_CHECKING:
+    from engine import ModelRunner
 
 Chain = tuple[int, int, int]  # (draft's matched tokens, lookup's matched tokens, lookup's offered tokens)
 Policy = Callable[[Chain], tuple[str, int]]  # -> ("draft" | "lookup", k)
@@ -75,17 +80,38 @@ def replay(chains: Sequence[Sequence[Chain]], costs: Costs, policy: Policy,
     return tokens, ms
 
 
-def policies(k_max: int) -> dict[str, Policy]:
-    """The ways of proposing compared: fixed choices a router could make, and the oracle no router can
-    (the source that matches more, verified at exactly its matched length)."""
+def pooled_rates(chains: Sequence[Sequence[Chain]], k_max: int) -> tuple[float, float]:
+    """Per-token acceptance of the draft's and lookup's proposals (accepted over positions tried up to the
+    first rejection, as router.spec_policy's trackers count), verifying all they offer up to k_max."""
+    counts = [[0, 0], [0, 0]]
+    for c in (c for s in chains for c in s):
+        for i, (matched, cap) in enumerate(((c[0], k_max), (c[1], min(c[2], k_max)))):
+            if cap:
+                accepted = min(matched, cap)
+                counts[i][0] += accepted
+                counts[i][1] += accepted + (accepted < cap)
+    draft, lookup = (a / max(1, t) for a, t in counts)
+    return draft, lookup
+
+
+def policies(chains: Sequence[Sequence[Chain]], k_max: int) -> dict[str, Policy]:
+    """The ways of proposing compared: choices a router can make (the last two kinds mixing the sources:
+    lookup first, or the router's rule: the source with more expected tokens at the rates the two are
+    accepted at), and the oracle no router can be (the source that matches more, at exactly its length)."""
+    a_draft, a_lookup = pooled_rates(chains, k_max)
     out: dict[str, Policy] = {"target only": lambda c: ("draft", 0),
                               "prompt lookup (k = its offer)": lambda c: ("lookup", min(c[2], k_max))}
     for k in range(1, k_max + 1):
         out[f"draft, k = {k}"] = lambda c, k=k: ("draft", k)
-        out[f"lookup where it offers, else draft k = {k}"] = lambda c, k=k: ("lookup", min(c[2], k_max)) if c[2] \
-            else ("draft", k)
+        out[f"{LOOKUP_FIRST}{k}"] = lambda c, k=k: ("lookup", min(c[2], k_max)) if c[2] else ("draft", k)
+        out[f"{MORE_EXPECTED}{k}"] = lambda c, k=k: ("lookup", min(c[2], k_max)) \
+            if expected_tokens(a_lookup, min(c[2], k_max)) > expected_tokens(a_draft, k) else ("draft", k)
     out["oracle: the better source, k = its match"] = lambda c: ("draft", c[0]) if c[0] >= c[1] else ("lookup", c[1])
     return out
+
+
+LOOKUP_FIRST = "lookup where it offers, else draft k = "
+MORE_EXPECTED = "the source with more expected tokens, draft k = "
 
 
 def speedups(chains: Sequence[Sequence[Chain]], costs: Costs, policy: Policy, sequential: bool) -> tuple[float, float]:
@@ -113,11 +139,10 @@ def with_synthetic_draft(chains: Sequence[Sequence[Chain]], acceptance: float, k
     return out
 
 
-def best_combined(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int) -> tuple[int, float]:
-    """(k, tokens/s speed-up) of the best "lookup where it offers, else draft k", free."""
-    pols = policies(k_max)
-    return max(((k, speedups(chains, costs, pols[f"lookup where it offers, else draft k = {k}"], False)[1])
-                for k in range(1, k_max + 1)), key=lambda kv: kv[1])
+def best_combined(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int) -> tuple[str, float]:
+    """(policy, tokens/s speed-up) of the best way of mixing lookup and the draft, the draft free."""
+    return max(((name, speedups(chains, costs, p, False)[1]) for name, p in policies(chains, k_max).items()
+                if name.startswith((LOOKUP_FIRST, MORE_EXPECTED))), key=lambda kv: kv[1])
 
 
 def acceptance_needed(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int, goal: float) -> float | None:
@@ -130,27 +155,29 @@ def acceptance_needed(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: in
     return None
 
 
-def report(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int, goal: float) -> dict:
+def report(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int, goal: float,
+           ranks: Sequence[Sequence[int]] = ()) -> dict:
     flat = [c for s in chains for c in s]
     offered = [c for c in flat if c[2]]
     rows = []
-    for name, policy in policies(k_max).items():
+    for name, policy in policies(chains, k_max).items():
         decode, total = speedups(chains, costs, policy, False)
         sequential = speedups(chains, costs, policy, True)[1] if "draft" in name else total
         rows.append({"policy": name, "decode": round(decode, 3), "tokens_s": round(total, 3),
                      "tokens_s_sequential": round(sequential, 3)})
-    k, best = best_combined(chains, costs, k_max)
+    name, best = best_combined(chains, costs, k_max)
     return {"positions": len(flat), "draft_first_token": round(sum(c[0] > 0 for c in flat) / len(flat), 3),
             "lookup_offers": round(len(offered) / len(flat), 3),
             "lookup_first_token_when_offered": round(sum(c[1] > 0 for c in offered) / max(1, len(offered)), 3),
             "step_ms": [round(m, 1) for m in costs.step_ms], "prefill_ms": round(costs.prefill_ms),
             "draft_round_ms": round(costs.draft_round_ms, 2), "prefill_share": round(
                 costs.prefill_ms / (costs.prefill_ms + replay(chains, costs, lambda c: ("draft", 0))[1]), 3),
-            "policies": rows, "best_combined": {"k": k, "tokens_s": round(best, 3)},
-            "goal": goal, "draft_acceptance_needed": acceptance_needed(chains, costs, k_max, goal)}
+            "policies": rows, "best_combined": {"policy": name, "tokens_s": round(best, 3)},
+            "goal": goal, "draft_acceptance_needed": acceptance_needed(chains, costs, k_max, goal),
+            "hit_bound": {g: round(hit_bound(ranks, g), 3) for g in (1, 2, 4, RANK_CAP)} if ranks else {}}
 
 
-REPEATS = 5  # rounds over every k: a step's time drifts by 20% and more between runs on a shared machine
+REPEATS = 20  # rounds over every k, a few steps each: a step's time drifts by 20% and more within minutes here
 BUDGET = 256  # the router's tokens per step (python -m bench --budget): prompt chunks and the pool's lengths
 
 
@@ -159,7 +186,31 @@ class Measured:
     prompts: list[list[int]]  # the bench's prompt pool for the pair
     outputs: list[list[int]]  # the target's greedy continuations, as long as the bench asks (end tokens ignored)
     chains: list[list[Chain]]  # per output position
+    ranks: list[list[int]]  # per output position: the target's token's rank among the draft's guesses there
     costs: Costs
+
+
+RANK_CAP = 8  # ranks past this are reported as it (a speculation cache holds a few guesses a depth)
+
+
+def draft_ranks(draft: ModelRunner, prompt: list[int], output: list[int]) -> list[int]:
+    """At each output position, how many tokens the draft scores above the target's (0: its greedy guess
+    is the target's token), capped at RANK_CAP; one teacher-forced pass over prompt + output."""
+    from engine import SeqInput
+
+    logits = draft.forward([SeqInput(0, 0, prompt + output[:-1], num_logits=len(output))])[0]
+    draft.release([0])
+    want = torch.tensor(output)
+    above = (logits > logits.gather(1, want[:, None])).sum(dim=1)
+    return above.clamp(max=RANK_CAP).tolist()
+
+
+def hit_bound(ranks: Sequence[Sequence[int]], guesses: int) -> float:
+    """The share of positions where the target's token is among the draft's `guesses` best: what a
+    speculation cache holding that many guesses for the token after the accepted drafts (the bonus or
+    the target's correction) can hit at most, whatever depth it prepared them at."""
+    flat = [r for s in ranks for r in s]
+    return sum(r < guesses for r in flat) / max(1, len(flat))
 
 
 @torch.inference_mode()
@@ -198,6 +249,7 @@ def measure(models: Path, k_max: int, steps: int) -> Measured:
     del target
     draft = make_runner(str(pair.draft), room)
     drafted = match_lengths(draft, prompts, outputs, k_max, batch=8)
+    ranks = [draft_ranks(draft, p, o) for p, o in zip(prompts, outputs, strict=True)]
     draft.forward([SeqInput(0, 0, prompts[0])])
     rounds = []
     for i in range(20):
@@ -209,7 +261,7 @@ def measure(models: Path, k_max: int, steps: int) -> Measured:
               for ds, p, o in zip(drafted, prompts, outputs, strict=True)]
     timed = profile(str(pair.target), "cpu", True, [1], list(range(k_max + 1)), steps, repeats=REPEATS)
     step_ms = tuple(statistics.median(t.step_ms for t in timed if t.k == k) for k in range(k_max + 1))
-    return Measured(prompts, outputs, chains, Costs(step_ms, prefill_ms, statistics.median(rounds)))
+    return Measured(prompts, outputs, chains, ranks, Costs(step_ms, prefill_ms, statistics.median(rounds)))
 
 
 def markdown(name: str, r: dict) -> str:
@@ -224,11 +276,14 @@ def markdown(name: str, r: dict) -> str:
               for p in r["policies"]]
     need, lookup = r["draft_acceptance_needed"], r["policies"][1]
     assert lookup["policy"].startswith("prompt lookup")
-    lines += ["", f"Best real combination: lookup where it offers, else the draft at k = {r['best_combined']['k']}: "
+    lines += ["", f"Best mix of the two: {r['best_combined']['policy']}, "
               f"{r['best_combined']['tokens_s']:.2f}x tokens/s with the draft free. For {r['goal']}x, "
               + ("prompt lookup alone does." if lookup["tokens_s"] >= r["goal"]
                  else f"a draft accepted at {need:.2f} per token (independently) would do." if need is not None
                  else "a draft of any acceptance below 1 would not do: prefill alone caps it.")]
+    if r["hit_bound"]:
+        lines += ["", "A speculation cache holding g of the draft's guesses for the token after the accepted "
+                  "drafts hits at most: " + ", ".join(f"g = {g}: {h:.0%}" for g, h in r["hit_bound"].items()) + "."]
     return "\n".join(lines)
 
 
@@ -240,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--goal", type=float, default=1.6, help="the tokens/s speed-up to find the draft acceptance for")
     p.add_argument("--threads", type=int, default=1, help="torch threads (two-device mode: 1)")
     p.add_argument("--cpu", type=int, default=None, help="pin to this core, as two-device mode pins the target")
-    p.add_argument("--steps", type=int, default=8, help=f"timed steps per k in each of {REPEATS} rounds")
+    p.add_argument("--steps", type=int, default=2, help=f"timed steps per k in each of {REPEATS} rounds")
     p.add_argument("--out", type=Path, default=None, help="also write the figures here as JSON")
     args = p.parse_args(argv)
     if not (args.models / "target").is_dir() or not (args.models / "draft").is_dir():
@@ -249,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {args.cpu})
     torch.set_num_threads(args.threads)
     measured = measure(args.models, args.k_max, args.steps)
-    result = report(measured.chains, measured.costs, args.k_max, args.goal)
+    result = report(measured.chains, measured.costs, args.k_max, args.goal, measured.ranks)
     print(markdown(args.models.resolve().name, result))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

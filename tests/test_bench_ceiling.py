@@ -10,8 +10,10 @@ from bench.ceiling import (
     Costs,
     acceptance_needed,
     best_combined,
+    hit_bound,
     lookup_chains,
     policies,
+    pooled_rates,
     replay,
     speedups,
     with_synthetic_draft,
@@ -65,10 +67,25 @@ def test_the_oracle_beats_every_policy() -> None:
               for _ in range(4)]
     chains = [[(d, min(looked, offered), offered) for d, looked, offered in s] for s in chains]
     costs = Costs(step_ms=(10.0, 11.0, 12.0, 13.0, 14.0), prefill_ms=0.0, draft_round_ms=0.0)
-    by_policy = {name: speedups(chains, costs, p, False)[0] for name, p in policies(4).items()}
+    by_policy = {name: speedups(chains, costs, p, False)[0] for name, p in policies(chains, 4).items()}
     oracle = by_policy.pop("oracle: the better source, k = its match")
     assert oracle >= max(by_policy.values())
     assert by_policy["target only"] == 1.0
+
+
+def test_rates_count_tried_positions_as_the_routers_trackers_do() -> None:
+    chains = [[(0, 2, 4), (4, 0, 0), (1, 1, 1)]]  # lookup offers twice; the draft is verified at k = 4 each time
+    draft, lookup = pooled_rates(chains, 4)
+    assert draft == pytest.approx((0 + 4 + 1) / (1 + 4 + 2))  # a rejection is one more tried position
+    assert lookup == pytest.approx((2 + 1) / (3 + 1))  # an offer of one, accepted: nothing was rejected
+
+
+def test_mixing_by_expected_tokens_takes_the_longer_sure_proposal() -> None:
+    chains = [[(4, 1, 1)] * 50]  # lookup offers one right token; the draft four
+    pols = policies(chains, 4)
+    lookup_first = replay(chains, FLAT, pols["lookup where it offers, else draft k = 4"])[1]
+    by_expectation = replay(chains, FLAT, pols["the source with more expected tokens, draft k = 4"])[1]
+    assert by_expectation == 10 * 10.0 and lookup_first == 25 * 10.0
 
 
 def test_a_synthetic_draft_is_accepted_at_its_rate_and_seeded() -> None:
@@ -89,6 +106,13 @@ def test_acceptance_needed_is_the_least_that_reaches_the_goal() -> None:
     assert best_combined(with_synthetic_draft(chains, need - 0.05, 4), FLAT, 4)[1] < 2.0
     prefill_bound = Costs(step_ms=FLAT.step_ms, prefill_ms=2000 * 10.0, draft_round_ms=0.0)
     assert acceptance_needed(chains, prefill_bound, 4, goal=2.0) is None  # half the time is prefill
+
+
+def test_the_hit_bound_counts_positions_whose_token_the_guesses_hold() -> None:
+    ranks = [[0, 1, 3], [8, 0]]
+    assert hit_bound(ranks, 1) == pytest.approx(2 / 5)
+    assert hit_bound(ranks, 4) == pytest.approx(4 / 5)
+    assert hit_bound(ranks, 8) == pytest.approx(4 / 5)  # the capped rank is past every cache
 
 
 def test_measured_streams_are_the_models_own_greedy_ones(model_pair) -> None:
@@ -117,7 +141,11 @@ def test_measured_streams_are_the_models_own_greedy_ones(model_pair) -> None:
                 while matched < len(want) and proposed[matched] == want[matched]:
                     matched += 1
                 assert chains[t][0] == matched
+    first_right = [c[0] > 0 for s in m.chains for c in s]
+    ranked_first = [r == 0 for s in m.ranks for r in s]  # one teacher-forced pass, apart from the chains' rounds
+    assert sum(a != b for a, b in zip(first_right, ranked_first, strict=True)) <= len(first_right) // 100
+    assert 0 < sum(first_right) < len(first_right)  # the pair agrees sometimes: the check above says something
     assert len(m.costs.step_ms) == 3 and min(m.costs.step_ms) > 0
     assert m.costs.prefill_ms > 0 and m.costs.draft_round_ms > 0
-    text = markdown("pair", report(m.chains, m.costs, 2, goal=1.5))
-    assert "| target only | 1.00x | 1.00x | 1.00x |" in text
+    text = markdown("pair", report(m.chains, m.costs, 2, goal=1.5, ranks=m.ranks))
+    assert "| target only | 1.00x | 1.00x | 1.00x |" in text and "hits at most: g = 1: " in text
