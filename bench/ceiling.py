@@ -215,6 +215,9 @@ def hit_bound(ranks: Sequence[Sequence[int]], guesses: int) -> float:
 
 @torch.inference_mode()
 def measure(models: Path, k_max: int, steps: int) -> Measured:
+    """The bench's prompt pool for the pair continued by the target, the chains and ranks at every output
+    position, and the costs: prefill in the router's chunks, a draft round, and B = 1 steps at each k
+    (`steps` steps in each of REPEATS rounds, their median)."""
     from bench.pairs import Pair
     from bench.plans import profile_for
     from bench.step_profile import profile
