@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from router.draft_work import common_prefix
 from router.lookup import PromptLookup
 from router.spec_policy import expected_tokens
 
@@ -56,10 +57,7 @@ def lookup_chains(prompt: Sequence[int], output: Sequence[int], k_max: int) -> l
     lookup, history, out = PromptLookup(), list(prompt), []
     for t in range(len(output)):
         offer = lookup.propose(history, k_max)
-        matched = 0
-        while matched < len(offer) and t + matched < len(output) and offer[matched] == output[t + matched]:
-            matched += 1
-        out.append((matched, len(offer)))
+        out.append((common_prefix(offer, list(output[t:t + len(offer)]), len(offer)), len(offer)))
         history.append(output[t])
     return out
 
