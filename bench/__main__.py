@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from bench.features import DEFAULT_WORKLOADS
+from router.config import RouterConfig
 
 DESCRIPTION = """\
 Tandem's latency and throughput story, side by side in one run, for each model pair and each
@@ -102,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "which is not committed)")
     p.add_argument("--configs", default="1,2,3,4,5,6,7,hf", help="comma-separated subset of 1..7 and hf")
     p.add_argument("--loads", default=None, help="comma-separated subset of the plan's loads (e.g. c1,c16)")
-    p.add_argument("--budget", type=int, default=256, help="router --max-num-batched-tokens (prompt lengths scale)")
+    p.add_argument("--budget", type=int, default=RouterConfig.max_num_batched_tokens,
+                   help="router --max-num-batched-tokens (prompt lengths scale)")
     p.add_argument("--k-max", type=int, default=4, help="router --k-max")
     p.add_argument("--capacity", type=float, default=0.0,
                    help="req/s that Poisson rate fractions refer to (0: measure the first config at c=16)")

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from router.config import RouterConfig
 from router.draft_work import common_prefix
 from router.lookup import PromptLookup
 from router.spec_policy import expected_tokens
@@ -176,7 +177,6 @@ def report(chains: Sequence[Sequence[Chain]], costs: Costs, k_max: int, goal: fl
 
 
 REPEATS = 20  # rounds over every k, a few steps each: a step's time drifts by 20% and more within minutes here
-BUDGET = 256  # the router's tokens per step (python -m bench --budget): prompt chunks and the pool's lengths
 
 
 @dataclass(frozen=True)
@@ -212,10 +212,11 @@ def hit_bound(ranks: Sequence[Sequence[int]], guesses: int) -> float:
 
 
 @torch.inference_mode()
-def measure(models: Path, k_max: int, steps: int) -> Measured:
+def measure(models: Path, k_max: int, steps: int, budget: int = RouterConfig.max_num_batched_tokens) -> Measured:
     """The bench's prompt pool for the pair continued by the target, the chains and ranks at every output
-    position, and the costs: prefill in the router's chunks, a draft round, and B = 1 steps at each k
-    (`steps` steps in each of REPEATS rounds, their median)."""
+    position, and the costs: prefill in the router's chunks of `budget` tokens (the bench's --budget, which
+    also scales the pool's prompt lengths), a draft round, and B = 1 steps at each k (`steps` steps in each
+    of REPEATS rounds, their median)."""
     from bench.pairs import Pair
     from bench.plans import profile_for
     from bench.step_profile import profile
@@ -225,7 +226,7 @@ def measure(models: Path, k_max: int, steps: int) -> Measured:
     from model_zoo.generate import generate, make_runner
 
     pair = Pair(models)
-    pool, _ = build_pool(pair, profile_for(pair.name, pair.params("target")).full, BUDGET, 0)
+    pool, _ = build_pool(pair, profile_for(pair.name, pair.params("target")).full, budget, 0)
     prompts, longest = [p.ids for p in pool], max(p.max_tokens for p in pool)
     room = 8 * (max(len(p) for p in prompts) + longest + k_max + 1)
     target = make_runner(str(pair.target), room)
@@ -241,10 +242,10 @@ def measure(models: Path, k_max: int, steps: int) -> Measured:
             bar.update(len(same))
     prefill_ms = 0.0
     for prompt in prompts:
-        for start in range(0, len(prompt), BUDGET):
-            chunk = prompt[start:start + BUDGET]
+        for start in range(0, len(prompt), budget):
+            chunk = prompt[start:start + budget]
             t0 = time.perf_counter()
-            target.forward([SeqInput(0, start, chunk, num_logits=int(start + BUDGET >= len(prompt)))])
+            target.forward([SeqInput(0, start, chunk, num_logits=int(start + budget >= len(prompt)))])
             prefill_ms += (time.perf_counter() - t0) * 1000
         target.release([0])
     del target
@@ -293,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, default=Path("models/smollm2"), help="a pair directory (target/, draft/)")
     p.add_argument("--k-max", type=int, default=4, help="the most drafts a step verifies (the bench's --k-max)")
+    p.add_argument("--budget", type=int, default=RouterConfig.max_num_batched_tokens,
+                   help="the router's tokens per step (the bench's --budget): prompt chunks and the pool's lengths")
     p.add_argument("--goal", type=float, default=1.6, help="the tokens/s speed-up to find the draft acceptance for")
     p.add_argument("--threads", type=int, default=1, help="torch threads (two-device mode: 1)")
     p.add_argument("--cpu", type=int, default=None, help="pin to this core, as two-device mode pins the target")
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     torch.set_num_threads(args.threads)
-    measured = measure(args.models, args.k_max, args.steps)
+    measured = measure(args.models, args.k_max, args.steps, args.budget)
     result = report(measured.chains, measured.costs, args.k_max, args.goal, measured.ranks)
     print(markdown(args.models.resolve().name, result))
     if args.out is not None:
