@@ -67,9 +67,9 @@ def interleaved_ms(layers: list[Linear], ways: dict[str, list[int]], repeats: in
 def choose(row_major: dict[int, float], column_major: dict[int, float], num_layers: int,
            packed: dict[int, float] | None = None, half: dict[int, float] | None = None) -> SmallProducts:
     """Per row count 1..PAD_TO, the fastest way to run it (ms over all layers), where it clearly beats as
-    is; above PAD_TO, packed up to the last timed count from which on it clearly wins at every one.
+    is; above PAD_TO, packed up to the last timed count where it clearly wins before as is clearly wins.
     Then the fp16 way (timed only for fp16 weights) takes the counts from 1 up to the last timed one
-    where it still clearly beats whatever runs them otherwise."""
+    where it clearly beats whatever runs them otherwise, before that clearly beats it."""
     packed, half = packed or {}, half or {}
     inf = float("inf")
 
@@ -84,18 +84,23 @@ def choose(row_major: dict[int, float], column_major: dict[int, float], num_laye
             ways["padded"] = chosen[PAD_TO][1]
         way, ms = min(ways.items(), key=lambda w: w[1])
         chosen[rows] = (way, ms) if clearly(ms, as_is) else ("rows", as_is)
-    packed_up_to = 0
-    for rows in sorted(r for r in row_major if r > PAD_TO):
-        if not clearly(packed.get(rows, inf), row_major[rows]):
-            break
-        packed_up_to = rows
+    def reach(counts: list[int], way: dict[int, float], other: dict[int, float]) -> int:
+        """The last count where `way` clearly beats `other`, before the first where `other` clearly beats
+        it. A tie (within PAYS: timing noise) neither extends the range nor ends it: stopping at one had
+        spread the demo target's packed range over 0 to 128 rows across one bench's launches (a tie at
+        32 rows dropped 64 and 128, where packed won by 10-30%)."""
+        up_to = 0
+        for rows in counts:
+            if clearly(way.get(rows, inf), other[rows]):
+                up_to = rows
+            elif clearly(other[rows], way.get(rows, inf)):
+                break
+        return up_to
+
+    packed_up_to = reach(sorted(r for r in row_major if r > PAD_TO), packed, row_major)
     otherwise = {r: chosen[r][1] if r in chosen else packed[r] if r <= packed_up_to else row_major[r]
                  for r in row_major}
-    half_up_to = 0
-    for rows in sorted(row_major):
-        if not clearly(half.get(rows, inf), otherwise[rows]):
-            break
-        half_up_to = rows
+    half_up_to = reach(sorted(row_major), half, otherwise)
     return SmallProducts(*(frozenset(r for r, (way, _) in chosen.items() if way == w and r > half_up_to)
                            for w in ("padded", "columns", "packed")),
                          packed_up_to=packed_up_to if packed_up_to > half_up_to else 0, half_up_to=half_up_to)

@@ -95,8 +95,10 @@ XEON_PACKED = {1: 51.8, 2: 57.5, 3: 60.0, 4: 56.8, 8: 66.7, 16: 81.6, 32: 112.0,
 
 @pytest.mark.parametrize("packed, want", [
     (XEON_PACKED, SmallProducts(packed=frozenset({4}), packed_up_to=128)),
-    (XEON_PACKED | {64: 190.0}, SmallProducts(packed=frozenset({4}), packed_up_to=32)),  # not clearly at 64: stops
-    (XEON_PACKED | {8: 118.0}, SmallProducts(packed=frozenset({4}))),  # the band above 4 starts at the first point
+    (XEON_PACKED | {64: 230.0}, SmallProducts(packed=frozenset({4}), packed_up_to=32)),  # as is clearly at 64: stops
+    (XEON_PACKED | {64: 190.0}, SmallProducts(packed=frozenset({4}), packed_up_to=128)),  # a tie at 64 does not
+    (XEON_PACKED | {8: 140.0}, SmallProducts(packed=frozenset({4}))),  # the band above 4 starts at the first point
+    (XEON_PACKED | {8: 118.0}, SmallProducts(packed=frozenset({4}), packed_up_to=128)),  # ... unless that is a tie
     ({1: 30.0, 2: 49.0, 3: 52.0, 4: 40.0}, SmallProducts(padded=frozenset({2, 3}), packed=frozenset({1, 4}))),
     ({}, SmallProducts()),  # no oneDNN: as is everywhere (rows 8.. were not timed either way)
 ])

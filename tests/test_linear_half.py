@@ -70,11 +70,13 @@ WITHOUT = SmallProducts(by_columns=frozenset({1}), packed=frozenset({2, 3, 4}), 
 
 @pytest.mark.parametrize("half, want", [
     (EPYC_HALF, SmallProducts(half_up_to=128)),  # no column-major or packed copy is kept
-    (EPYC_HALF | {16: 150.0}, SmallProducts(packed_up_to=128, half_up_to=8)),  # 9..128 rows still packed
-    (EPYC_HALF | {1: 40.0}, WITHOUT),  # not clearly faster for one row: it starts at 1 or not at all
+    (EPYC_HALF | {16: 175.0}, SmallProducts(packed_up_to=128, half_up_to=8)),  # 9..128 rows still packed
+    (EPYC_HALF | {16: 150.0}, SmallProducts(half_up_to=128)),  # a tie with packed at 16 does not end the range
+    (EPYC_HALF | {1: 50.0}, WITHOUT),  # clearly slower for one row: it starts at 1 or not at all
+    (EPYC_HALF | {1: 40.0}, SmallProducts(half_up_to=128)),  # a tie there does not keep it out
     ({}, WITHOUT),  # not timed: weights that are not fp16 values, or no fbgemm
 ])
-def test_the_fp16_way_runs_from_one_row_up_to_where_it_stops_clearly_winning(half, want):
+def test_the_fp16_way_runs_from_one_row_up_to_where_the_others_clearly_win(half, want):
     assert choose(EPYC_ROWS, EPYC_COLUMNS, 121, EPYC_PACKED) == WITHOUT
     assert choose(EPYC_ROWS, EPYC_COLUMNS, 121, EPYC_PACKED, half) == want
 
