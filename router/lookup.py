@@ -74,6 +74,24 @@ class PromptLookup:
         self._last_offer = (end, k, offer)
         return list(offer)
 
+    def peek(self, history: Seq[int], known: int, k: int) -> list[int]:
+        """Up to k tokens that followed an earlier occurrence of the suffix of `history`, of which only
+        the first `known` tokens are the sequence's (the rest: an outcome its running step may emit).
+        What the guess adds is never indexed, and the offer kept for propose() is left alone, so the
+        router may ask about outcomes that do not happen. Its own n-grams missing from the index, a
+        guess finds what propose() would a step later, or an earlier occurrence of it. A request with
+        a prediction is not peeked (its offers follow the output the prediction met)."""
+        if not self.history or self.prediction:
+            return []
+        assert 0 < known <= len(history)
+        self._index(history, known - 1)
+        end = len(history)
+        for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
+            at = self._last.get(tuple(history[end - n:end]))
+            if at is not None:
+                return list(history[at:min(at + k, end)])
+        return []
+
     def _predicted_offer(self, history: Seq[int], k: int, end: int) -> tuple[list[int], int, int]:
         """The prediction's continuation, the length of the suffix it matched (0: none; past n_max on the
         prediction's start, which no history match beats) and where it continues the prediction: after

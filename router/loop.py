@@ -171,10 +171,15 @@ class StepLoop:
         self.spec.new_step()
         chained.plan = StepPlan(decodes=[(s, len(p[0])) for s, p in zip(chained.seqs, chained.proposals, strict=True)])
         chained.sent = [p[0] for p in chained.proposals]
-        for seq, k, chosen, proposal in zip(chained.seqs, chained.ks, chained.chosen, chained.proposals, strict=True):
+        for seq, k, chosen, proposal, looked in zip(chained.seqs, chained.ks, chained.chosen, chained.proposals,
+                                                    chained.looked, strict=True):
             seq.next_k = 0 if seq.finished else k
             self.spec.matched[seq.seq_id] = proposal
-            if chosen:
+            if chosen in looked:
+                self.spec.from_lookup.add(seq.seq_id)
+                if looked[chosen]:  # the draft had prepared the outcome too (not a miss)
+                    self.spec.lookup_over_draft.add(seq.seq_id)
+            elif chosen:
                 self.spec.from_draft.add(seq.seq_id)
         live = [i for i, s in enumerate(chained.seqs) if not s.finished]
         chained.launched = self._launch_draft(StepPlan(decodes=[chained.plan.decodes[i] for i in live]),
@@ -277,17 +282,17 @@ class StepLoop:
         if lookup_beats_chaining(self.spec, seqs, ks, self.recorder.round_trip_ms):
             self._unchained.labels(reason="lookup").inc()
             return
-        built = chained_entries(seqs, sent, ks, self.spec.max_model_len)
+        built = chained_entries(seqs, sent, ks, self.spec.max_model_len, self.config.prompt_lookup)
         if built is None:
             self._unchained.labels(reason="no_proposal").inc()
             return
-        entries, alts = built
+        entries, alts, looked = built
         try:
             ticket = await self.target.send_step(entries)
         except (ServiceDown, Rejected, ServiceError, NotOwner, CacheMissError) as err:
             log.debug("chained step not sent: %s", err)  # the step ahead of it reports what happened
             return
-        self._chained = ChainedStep(seqs, alts, ks, ticket)
+        self._chained = ChainedStep(seqs, alts, ks, ticket, looked)
 
     # ---- results -------------------------------------------------------------------------------
     def _done(self, plan: StepPlan, sent: list[list[int]], response: target_pb2.StepResponse, draft_ms: float,

@@ -24,7 +24,7 @@ from transformers import LlamaConfig
 
 from common.sampling import SamplingParams
 from engine.runner import InvalidInput
-from router.chain import alternatives, chainable, resolve
+from router.chain import alternatives, chainable, resolve, with_lookup
 from router.clients import CacheMissError, ServiceDown, TargetClient
 from router.config import RouterConfig
 from router.core import Request
@@ -122,6 +122,39 @@ def test_alternatives_carry_their_q_when_sampling():
     q = [common_pb2.SparseDist(token_ids=[t], probs=[0.5]) for t in (41, 42, 43)]
     alts = alternatives(sequence([1, 2, 3], [Prepared(3, (40,), (41, 42, 43), tuple(q))]), [], k=2, greedy=False)
     assert [list(d.token_ids) for d in alts[0].draft_probs] == [[41], [42]]
+
+
+def test_lookup_guesses_the_outcomes_with_what_followed_them_earlier():
+    # verifying 20 21: lookup after "... 7 8" guesses 20 (d1's own outcome), after "... 7 8 20" 5, not 21
+    history = [7, 8, 20, 5, 6, 9, 1, 7, 8]
+    seq = sequence(history)
+    alts, looked = with_lookup(seq, [20, 21], k=2, drafted=[])
+    assert {tuple(a.after): list(a.drafts) for a in alts} == {(20, 5): [6, 9]}, \
+        "after 20, the target's own token: lookup's guess 5, then what followed it"
+    assert looked == {1: False}
+    alts, _ = with_lookup(sequence(history), [20, 5], k=2, drafted=[])
+    assert {tuple(a.after) for a in alts} == {(20, 5, 6)}, "all accepted: lookup guesses the bonus"
+    assert with_lookup(seq, [20, 21], k=0, drafted=[]) == ([], {})
+
+
+def test_where_draft_and_lookup_name_one_outcome_the_likelier_proposal_goes():
+    history = [7, 8, 20, 5, 6, 9, 1, 7, 8]
+    drafted = alternatives(sequence(history, [Prepared(9, (20, 5), (60, 61), accepted=1, rank=1)]), [20, 21],
+                           k=3, greedy=True)
+    for draft_rate, lookup_rate, taken, looked in ((0.9, 0.3, [60, 61], {}), (0.2, 0.8, [6, 9, 1], {1: True})):
+        seq = sequence(history)
+        seq.tracker.accepted, seq.tracker.tried = draft_rate * 100, 100
+        seq.lookup_tracker.accepted, seq.lookup_tracker.tried = lookup_rate * 100, 100
+        alts, lk = with_lookup(seq, [20, 21], k=3, drafted=drafted)
+        assert [(tuple(a.after), list(a.drafts)) for a in alts] == [((20, 5), taken)]
+        assert lk == looked
+
+
+def test_a_sampled_requests_lookup_alternatives_are_point_guesses():
+    seq = sequence([7, 8, 20, 5, 6, 9, 7, 8])
+    seq.request = Request(request_id="s", prompt_ids=[7], sampling=SamplingParams(0.8), max_tokens=9)
+    [alt], _ = with_lookup(seq, [20, 21], k=2, drafted=[])
+    assert [(list(d.token_ids), list(d.probs)) for d in alt.draft_probs] == [([6], [1.0]), ([9], [1.0])]
 
 
 def test_only_decode_steps_of_every_running_sequence_chain():

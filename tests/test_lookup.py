@@ -83,6 +83,17 @@ def test_an_offer_is_kept_for_its_history_and_renewed_as_the_history_grows():
     assert lookup.propose(h, 3) == [9, 1, 2]
 
 
+def test_a_peek_at_an_outcome_not_emitted_yet_leaves_the_lookup_as_it_was():
+    lookup, h = PromptLookup(), [1, 2, 3, 4, 9, 1, 2]
+    assert lookup.peek(h + [3], len(h), 2) == [4, 9], "the suffix ends in the guessed token"
+    assert lookup.peek(h + [7, 7, 7], len(h), 2) == [], "the guess's own n-grams are not indexed"
+    assert lookup.propose(h + [7, 7, 7], 2) == [7], "... nor kept: the same history, real, finds them"
+    assert PromptLookup().peek(h, len(h), 3) == PromptLookup().propose(h, 3) == [3, 4, 9], "nothing guessed: an offer"
+    predicted = PromptLookup(prediction=[3, 4], start=5)
+    assert predicted.peek(h, len(h), 2) == [], "a prediction's offers follow the output: not peeked"
+    assert PromptLookup(history=False).peek(h, len(h), 2) == [], "--no-prompt-lookup"
+
+
 def test_a_router_without_a_draft_speculates_from_the_history(model_pair):
     """No draft service: repetitive prompts still get drafts, verified by the target, and the output
     is still exactly the target's greedy one."""
