@@ -17,19 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import grpc
 
 from router.scheduler import StepPlan
 from router.sequence import Sequence
 from router.spec_policy import choose_k, expected_tokens
-from router.speculation import Proposal, best_proposal
+from router.speculation import Proposal, best_proposal, point_guesses
+from router.speculator import Speculator
 from router.step_entries import logprobs_wanted
-from tandem.v1 import common_pb2, target_pb2
-
-if TYPE_CHECKING:
-    from router.speculator import Speculator
+from tandem.v1 import target_pb2
 
 
 @dataclass
@@ -112,14 +109,12 @@ def with_lookup(seq: Sequence, verifying: Seq[int], k: int, drafted: list[target
         if len(guess) < 2 or (j < len(verifying) and guess[0] == verifying[j]):
             continue  # nothing to verify after it, or the outcome that goes on to d_{j+2}
         after, drafts = (*verifying[:j], guess[0]), guess[1:]
-        alt = target_pb2.Alternative(after=after, drafts=drafts, draft_probs=[] if greedy else [
-            common_pb2.SparseDist(token_ids=[t], probs=[1.0]) for t in drafts])  # a point guess
+        alt = target_pb2.Alternative(after=after, drafts=drafts, draft_probs=[] if greedy else point_guesses(drafts))
         i = named.get(after)
         if i is None:
             out.append(alt)
             looked[len(out)] = False
-        elif expected_tokens(seq.lookup_tracker.rate, len(drafts)) > expected_tokens(seq.tracker.rate,
-                                                                                     len(drafted[i].drafts)):
+        elif Speculator.prefers_lookup(seq, len(drafted[i].drafts), len(drafts)):
             out[i] = alt
             looked[i + 1] = True
     return out, looked

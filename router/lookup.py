@@ -62,12 +62,9 @@ class PromptLookup:
         offer, matched, followed = self._predicted_offer(history, k, end) if self.prediction else ([], 0, 0)
         if self.history:
             self._index(history, end - 1)  # everything but the suffix itself
-        longest = min(self.n_max, end - 1) if self.history else 0
-        for n in range(longest, max(self.n_min, matched + 1) - 1, -1):  # a longer match wins
-            at = self._last.get(tuple(history[end - n:end]))
-            if at is not None:
-                offer, matched = list(history[at:min(at + k, end)]), 0
-                break
+        at = self._earlier(history, end, max(self.n_min, matched + 1)) if self.history else None
+        if at is not None:  # a longer match than the prediction's wins
+            offer, matched = list(history[at:min(at + k, end)]), 0
         if matched:
             self._followed = followed
         self.from_prediction = bool(matched and offer)
@@ -85,12 +82,17 @@ class PromptLookup:
             return []
         assert 0 < known <= len(history)
         self._index(history, known - 1)
-        end = len(history)
-        for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
+        at = self._earlier(history, len(history), self.n_min)
+        return [] if at is None else list(history[at:at + k])
+
+    def _earlier(self, history: Seq[int], end: int, shortest: int) -> int | None:
+        """Where the longest suffix of history[:end] (n_max tokens down to `shortest`) was last followed by
+        a token in the index: that token's position; None where no suffix was."""
+        for n in range(min(self.n_max, end - 1), shortest - 1, -1):
             at = self._last.get(tuple(history[end - n:end]))
             if at is not None:
-                return list(history[at:min(at + k, end)])
-        return []
+                return at
+        return None
 
     def _predicted_offer(self, history: Seq[int], k: int, end: int) -> tuple[list[int], int, int]:
         """The prediction's continuation, the length of the suffix it matched (0: none; past n_max on the

@@ -29,6 +29,12 @@ CONFIDENCE_BINS = 10  # the draft's confidence in a draft, in bins of 0.1, for i
 Proposal = tuple[list[int], list[common_pb2.SparseDist]]  # drafts and their q (empty when greedy)
 
 
+def point_guesses(drafts: Seq[int]) -> list[common_pb2.SparseDist]:
+    """The q of guesses that carry no distribution (prompt lookup's): 1 on each guessed token, so strict
+    rejection sampling accepts one with the target's probability of it and stays exact."""
+    return [common_pb2.SparseDist(token_ids=[t], probs=[1.0]) for t in drafts]
+
+
 @dataclass(frozen=True)
 class Prepared:
     """After history[:start]: the outcome `prefix` it bets on, then `drafts` with their q (empty when greedy)."""

@@ -13,9 +13,8 @@ from router.pacing import DraftPacing
 from router.scheduler import Scheduler, StepPlan
 from router.sequence import Sequence
 from router.spec_policy import AcceptancePool, Odds, choose_k, expected_tokens
-from router.speculation import Proposal, best_proposal, confidence_of, prune
+from router.speculation import Proposal, best_proposal, confidence_of, point_guesses, prune
 from router.step_costs import BranchCost, DraftCost, StepCostModel
-from tandem.v1 import common_pb2
 
 
 class Speculator:
@@ -87,7 +86,7 @@ class Speculator:
             return [], []
         if not drafts or seq.request.sampling.greedy:
             return drafts, []
-        return drafts, [common_pb2.SparseDist(token_ids=[t], probs=[1.0]) for t in drafts]  # a point guess
+        return drafts, point_guesses(drafts)
 
     def choose_ks(self, decoders: list[Sequence], prefill_tokens: int) -> list[int]:
         """The scheduler's callback: k per decoder, its policy's wish capped by the proposal it takes.
